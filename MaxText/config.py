@@ -1,0 +1,342 @@
+"""Load, validate and derive the run configuration.
+
+Layers, lowest precedence first: ``configs/base.yml`` (every key and its default) <
+``configs/models/<model_name>.yml`` < extra yml files on the command line < ``key=value``.
+
+The schema below holds types and cross-field rules only; every default lives in base.yml
+(a test keeps the two in step). Loading touches no device and starts no runtime: values that
+depend on the hardware (``dtype: auto``, the device count) are resolved later by the caller.
+Any bad input raises :class:`ConfigError`, whose one-line message names the key; entry points
+turn it into exit code 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from MaxText.parallel.axes import MESH_AXES
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+BASE_YML = CONFIG_DIR / "base.yml"
+MODELS_DIR = CONFIG_DIR / "models"
+# A saved config.yml records the run's topology under this key; it is output, not input.
+RUNTIME_SECTION = "runtime"
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message is one line that names the offending key."""
+
+
+DType = Literal["auto", "bfloat16", "float16", "float32", "float64"]
+ParamDType = Literal["bfloat16", "float32", "float64"]
+
+
+class Config(BaseModel):
+    """Typed view of base.yml. No defaults here: base.yml is the single source."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+
+    # run
+    model_name: str
+    run_name: str
+    base_output_directory: str
+    hardware: Literal["auto", "cpu", "gpu"]
+    steps: int
+    log_period: int
+    seed: int
+    enable_tensorboard: bool
+    # batch
+    per_device_batch_size: int
+    max_target_length: int
+    gradient_accumulation_steps: int
+    # optimizer
+    learning_rate: float
+    warmup_steps: int
+    learning_rate_final_fraction: float
+    adam_b1: float
+    adam_b2: float
+    adam_eps: float
+    adam_weight_decay: float
+    gradient_clipping_threshold: float
+    # precision and memory
+    dtype: DType
+    weight_dtype: ParamDType
+    remat_policy: Literal["none", "minimal", "full"]
+    # model shape
+    vocab_size: int
+    base_emb_dim: int
+    base_num_decoder_layers: int
+    first_num_dense_layers: int
+    base_mlp_dim: int
+    base_num_query_heads: int
+    normalization_layer_epsilon: float
+    init_weights_std: float
+    # MLA
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    # rotary / YaRN
+    rope_max_timescale: float
+    rope_interleave: bool
+    rope_type: Literal["yarn", "default"]
+    rope_factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+    rope_mscale: float
+    rope_mscale_all_dim: float
+    # MoE
+    num_experts: int
+    num_experts_per_tok: int
+    shared_experts: int
+    base_moe_mlp_dim: int
+    capacity_factor: float
+    moe_matmul: Literal["auto", "ragged_dot"]
+    routed_score_func: Literal["sigmoid", "softmax"]
+    routed_bias: bool
+    routed_bias_update_rate: float
+    routed_scaling_factor: float
+    routed_norm_topk_prob: bool
+    n_routing_groups: int
+    topk_routing_group: int
+    load_balance_loss_weight: float
+    # MTP
+    mtp_num_layers: int
+    mtp_loss_scaling_factor: float
+    # data
+    dataset_type: Literal["synthetic"]
+    synthetic_vocab_size: int
+    synthetic_noise: float
+    # parallelism
+    ici_data_parallelism: int
+    ici_fsdp_parallelism: int
+    ici_expert_parallelism: int
+    ici_tensor_parallelism: int
+    dcn_data_parallelism: int
+    dcn_fsdp_parallelism: int
+    dcn_expert_parallelism: int
+    dcn_tensor_parallelism: int
+    logical_axis_rules: list[tuple[str, list[str]]]
+
+    # ---- derived values: computed here and nowhere else ----
+    @property
+    def emb_dim(self) -> int:
+        return self.base_emb_dim
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.base_num_decoder_layers - self.first_num_dense_layers
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.base_output_directory) / self.run_name
+
+    def ici_parallelism(self) -> list[int]:
+        return [getattr(self, f"ici_{axis}_parallelism") for axis in MESH_AXES]
+
+    def dcn_parallelism(self) -> list[int]:
+        return [getattr(self, f"dcn_{axis}_parallelism") for axis in MESH_AXES]
+
+    def micro_batch_size(self, num_devices: int) -> int:
+        """Sequences in one micro-batch over all devices."""
+        return self.per_device_batch_size * num_devices
+
+    def global_batch_size(self, num_devices: int) -> int:
+        """Sequences per optimizer step."""
+        return self.micro_batch_size(num_devices) * self.gradient_accumulation_steps
+
+    def with_platform(self, platform: str) -> Config:
+        """Resolve hardware-dependent values (``dtype: auto``) once the JAX platform is known."""
+        if self.dtype != "auto":
+            return self
+        return self.model_copy(update={"dtype": "bfloat16" if platform == "gpu" else "float32"})
+
+
+# ---------------------------------------------------------------- rules
+
+
+def _require(condition: bool, key: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"config key '{key}': {message}")
+
+
+def check_rules(c: Config) -> None:
+    """Cross-field rules: combinations that cannot run, each reported with its key."""
+    for key in ("steps", "log_period", "per_device_batch_size", "gradient_accumulation_steps"):
+        _require(getattr(c, key) >= (0 if key == "steps" else 1), key, f"must be positive, got {getattr(c, key)}")
+    _require(c.max_target_length >= 2, "max_target_length", "must be at least 2")
+    _require(c.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+    _require(c.vocab_size >= c.synthetic_vocab_size, "synthetic_vocab_size", "must not exceed vocab_size")
+    _require(0 <= c.synthetic_noise <= 1, "synthetic_noise", "must be a probability in [0, 1]")
+    _require(
+        0 <= c.first_num_dense_layers <= c.base_num_decoder_layers,
+        "first_num_dense_layers",
+        f"must be between 0 and base_num_decoder_layers ({c.base_num_decoder_layers})",
+    )
+    _require(c.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "must be even (rotary pairs)")
+    _require(c.rope_factor >= 1, "rope_factor", "must be >= 1")
+    _require(c.num_experts >= 1, "num_experts", "must be >= 1")
+    _require(
+        1 <= c.num_experts_per_tok <= c.num_experts,
+        "num_experts_per_tok",
+        f"top-k {c.num_experts_per_tok} must be between 1 and num_experts ({c.num_experts})",
+    )
+    _require(
+        c.n_routing_groups >= 1 and c.num_experts % c.n_routing_groups == 0,
+        "n_routing_groups",
+        f"{c.n_routing_groups} groups do not divide num_experts ({c.num_experts})",
+    )
+    _require(
+        1 <= c.topk_routing_group <= c.n_routing_groups,
+        "topk_routing_group",
+        f"must be between 1 and n_routing_groups ({c.n_routing_groups})",
+    )
+    reachable = c.topk_routing_group * (c.num_experts // c.n_routing_groups)
+    _require(
+        c.num_experts_per_tok <= reachable,
+        "num_experts_per_tok",
+        f"top-k {c.num_experts_per_tok} exceeds the {reachable} experts in the {c.topk_routing_group} chosen groups",
+    )
+    _require(
+        c.capacity_factor == -1,
+        "capacity_factor",
+        "only -1 (dropless) is available; token-dropping capacity dispatch is not built yet",
+    )
+    _require(c.mtp_num_layers >= 0, "mtp_num_layers", "must be >= 0")
+    for kind, values in (("ici", c.ici_parallelism()), ("dcn", c.dcn_parallelism())):
+        for axis, value in zip(MESH_AXES, values, strict=True):
+            _require(value >= 1 or value == -1, f"{kind}_{axis}_parallelism", f"must be >= 1 or -1 (fill), got {value}")
+        _require(values.count(-1) <= 1, f"{kind}_*_parallelism", "at most one axis may be -1 (fill)")
+    _require(
+        -1 not in c.ici_parallelism() or -1 not in c.dcn_parallelism(),
+        "dcn_*_parallelism",
+        "a -1 (fill) in both ici_* and dcn_* is ambiguous; set one of them explicitly",
+    )
+    expert_ways = c.ici_expert_parallelism * c.dcn_expert_parallelism
+    if expert_ways > 0:  # -1 (fill) is checked when the mesh is built
+        _require(
+            c.num_experts % expert_ways == 0,
+            "ici_expert_parallelism",
+            f"num_experts ({c.num_experts}) is not divisible by expert parallelism ({expert_ways})",
+        )
+    for name, axes in c.logical_axis_rules:
+        unknown = [a for a in axes if a not in MESH_AXES]
+        _require(not unknown, "logical_axis_rules", f"rule '{name}' names unknown mesh axes {unknown}; known: {list(MESH_AXES)}")
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _read_yml(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"{what} not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{what} {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {path} must be a mapping of key: value")
+    return data
+
+
+def available_models() -> list[str]:
+    return sorted(p.stem for p in MODELS_DIR.glob("*.yml"))
+
+
+def _check_known(layer: dict[str, Any], known: set[str], source: str) -> None:
+    for key in layer:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.6)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ConfigError(f"unknown config key '{key}' in {source}{hint}")
+
+
+def _parse_args(argv: list[str]) -> tuple[list[Path], dict[str, Any]]:
+    ymls, overrides = [], {}
+    for arg in argv:
+        if "=" in arg:
+            key, _, text = arg.partition("=")
+            try:
+                overrides[key.strip()] = yaml.safe_load(text) if text else ""
+            except yaml.YAMLError:
+                overrides[key.strip()] = text
+        elif arg.endswith((".yml", ".yaml")):
+            ymls.append(Path(arg))
+        else:
+            raise ConfigError(f"argument '{arg}' is neither key=value nor a .yml file")
+    return ymls, overrides
+
+
+def _first_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"]) or "?"
+    return f"config key '{key}': {first['msg'].lower()} (got {first.get('input')!r})"
+
+
+def load_config(argv: list[str]) -> Config:
+    """Build the run's Config from command-line arguments (``[extra.yml ...] key=value ...``)."""
+    base = _read_yml(BASE_YML, "base config")
+    known = set(base)
+    ymls, overrides = _parse_args(argv)
+    extras = []
+    for path in ymls:
+        layer = _read_yml(path, "config file")
+        layer.pop(RUNTIME_SECTION, None)
+        _check_known(layer, known, str(path))
+        extras.append(layer)
+    _check_known(overrides, known, "the command line")
+
+    model_name = base["model_name"]
+    for layer in [*extras, overrides]:
+        model_name = layer.get("model_name", model_name)
+    model_path = MODELS_DIR / f"{model_name}.yml"
+    if not model_path.is_file():
+        names = available_models()
+        close = difflib.get_close_matches(str(model_name), names, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"config key 'model_name': unknown model '{model_name}'{hint}; available: {', '.join(names)}")
+    overlay = _read_yml(model_path, "model config")
+    _check_known(overlay, known, f"models/{model_path.name}")
+
+    merged: dict[str, Any] = {}
+    for layer in [base, overlay, *extras, overrides]:
+        merged.update(layer)
+    if not merged["run_name"]:
+        merged["run_name"] = f"{model_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        config = Config(**merged)
+    except ValidationError as err:
+        raise ConfigError(_first_error(err)) from None
+    check_rules(config)
+    return config
+
+
+def load_config_or_exit(argv: list[str]) -> Config:
+    """load_config for entry points: bad input prints one line and exits with code 2."""
+    try:
+        return load_config(argv)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def config_to_yaml(config: Config, runtime: dict[str, Any] | None = None) -> str:
+    """The resolved config as YAML, optionally with the run's topology under ``runtime``."""
+    data = config.model_dump(mode="json")
+    data["logical_axis_rules"] = [[name, list(axes)] for name, axes in config.logical_axis_rules]
+    if runtime:
+        data[RUNTIME_SECTION] = runtime
+    return yaml.safe_dump(data, sort_keys=False)

@@ -1,0 +1,1 @@
+"""Transformer building blocks: norms, rotary/YaRN embeddings, MLA attention, SwiGLU MLP."""

@@ -1,0 +1,74 @@
+"""Multi-head latent attention (MLA), DeepSeek-V2/V3.
+
+Queries go through a low-rank bottleneck (``q_lora_rank``, RMS-normalised) unless it is 0; keys
+and values come from one compressed latent (``kv_lora_rank``, RMS-normalised) plus a small rotary
+key (``qk_rope_head_dim``) that is computed once and shared by every head. Each head's query and
+key are ``[nope ; rope]`` parts; values have their own width (``v_head_dim``).
+
+This is the training form (the latent is expanded to per-head keys and values); the
+"absorbed" form that caches only the latent is an inference optimisation.
+
+Shape legend: B batch, S/T query/key positions, D model dim, H heads, R a low rank,
+K qk head dim, V value head dim.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from MaxText.config import Config
+from MaxText.layers.common import activation_dtype, constrain, float32_or_wider, param
+from MaxText.layers.norms import RMSNorm
+from MaxText.layers.rotary import apply_rope, softmax_scale
+
+
+def attention_mask(segment_ids_BS: jax.Array) -> jax.Array:
+    """[B, 1, S, S] boolean: causal, and only within the same document (segment id; 0 = padding)."""
+    S = segment_ids_BS.shape[1]
+    causal_SS = jnp.tril(jnp.ones((S, S), dtype=bool))
+    same_BSS = segment_ids_BS[:, :, None] == segment_ids_BS[:, None, :]
+    return (causal_SS[None] & same_BSS)[:, None]
+
+
+class MLA(nn.Module):
+    config: Config
+
+    @nn.compact
+    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, segment_ids_BS: jax.Array) -> jax.Array:
+        c = self.config
+        D, H = x_BSD.shape[-1], c.base_num_query_heads
+        nope, rope, V = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+
+        # Queries: [B, S, H, nope + rope], optionally through the low-rank bottleneck.
+        if c.q_lora_rank > 0:
+            wq_a = param(self, "wq_a", c, (D, c.q_lora_rank), ("embed", "q_lora"))
+            wq_b = param(self, "wq_b", c, (c.q_lora_rank, H, nope + rope), ("q_lora", "heads", "head_dim"))
+            cq_BSR = RMSNorm(c, name="q_norm")(jnp.einsum("bsd,dr->bsr", x_BSD, wq_a))
+            q_BSHK = jnp.einsum("bsr,rhk->bshk", cq_BSR, wq_b)
+        else:
+            wq = param(self, "wq", c, (D, H, nope + rope), ("embed", "heads", "head_dim"))
+            q_BSHK = jnp.einsum("bsd,dhk->bshk", x_BSD, wq)
+        q_nope, q_rope = q_BSHK[..., :nope], q_BSHK[..., nope:]
+        q_rope = apply_rope(q_rope, positions_BS, c)
+
+        # Keys and values from the compressed latent; the rotary key is shared by all heads.
+        wkv_a = param(self, "wkv_a", c, (D, c.kv_lora_rank + rope), ("embed", "kv_lora"))
+        wkv_b = param(self, "wkv_b", c, (c.kv_lora_rank, H, nope + V), ("kv_lora", "heads", "head_dim"))
+        kv_a = jnp.einsum("bsd,dr->bsr", x_BSD, wkv_a)
+        latent_BSR = RMSNorm(c, name="kv_norm")(kv_a[..., : c.kv_lora_rank])
+        k_rope_BS1 = apply_rope(kv_a[..., None, c.kv_lora_rank :], positions_BS, c)
+        kv_BSHK = jnp.einsum("bsr,rhk->bshk", latent_BSR, wkv_b)
+        k_nope, v_BTHV = kv_BSHK[..., :nope], kv_BSHK[..., nope:]
+
+        # Causal softmax attention in float32 (or wider).
+        acc = float32_or_wider(activation_dtype(c))
+        scores_BHST = jnp.einsum("bshk,bthk->bhst", q_nope, k_nope, preferred_element_type=acc)
+        scores_BHST += jnp.einsum("bshk,btk->bhst", q_rope, k_rope_BS1[:, :, 0], preferred_element_type=acc)
+        scores_BHST *= softmax_scale(c)
+        scores_BHST = jnp.where(attention_mask(segment_ids_BS), scores_BHST, jnp.finfo(acc).min)
+        probs_BHST = jax.nn.softmax(scores_BHST, axis=-1).astype(v_BTHV.dtype)
+        out_BSHV = jnp.einsum("bhst,bthv->bshv", probs_BHST, v_BTHV)
+        out_BSHV = constrain(out_BSHV, ("activation_batch", "activation_length", "activation_heads", None))
+
+        wo = param(self, "wo", c, (H, V, D), ("heads", "head_dim", "embed"))
+        return jnp.einsum("bshv,hvd->bsd", out_BSHV, wo)

@@ -1,0 +1,45 @@
+"""Small helpers every layer shares: dtypes and logically-partitioned parameters.
+
+Layers name *logical* axes only (``embed``, ``heads``, ``exp`` ...); ``logical_axis_rules``
+in base.yml decides which mesh axes they land on.
+"""
+
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from MaxText.config import Config
+
+
+def activation_dtype(config: Config) -> jnp.dtype:
+    """The dtype activations and matmul inputs use (``dtype: auto`` must be resolved first)."""
+    if config.dtype == "auto":
+        raise ValueError("dtype 'auto' must be resolved with Config.with_platform before building the model")
+    return jnp.dtype(config.dtype)
+
+
+def weight_dtype(config: Config) -> jnp.dtype:
+    return jnp.dtype(config.weight_dtype)
+
+
+def float32_or_wider(dtype: jnp.dtype) -> jnp.dtype:
+    """Router logits, softmax and norm statistics run in at least float32."""
+    return jnp.promote_types(jnp.float32, dtype)
+
+
+def kernel_init(config: Config, logical_axes: Sequence[str]) -> nn.initializers.Initializer:
+    """Truncated-normal init (std ``init_weights_std``) tagged with its logical axes."""
+    init = nn.initializers.truncated_normal(stddev=config.init_weights_std)
+    return nn.with_logical_partitioning(init, tuple(logical_axes))
+
+
+def param(module: nn.Module, name: str, config: Config, shape: Sequence[int], logical_axes: Sequence[str]):
+    """Declare a matrix parameter of ``weight_dtype``; returns it cast to the activation dtype."""
+    value = module.param(name, kernel_init(config, logical_axes), tuple(shape), weight_dtype(config))
+    return jnp.asarray(value, activation_dtype(config))
+
+
+def constrain(x, logical_axes: Sequence[str]):
+    """Shard an activation by logical axis names (a no-op outside a mesh)."""
+    return nn.with_logical_constraint(x, tuple(logical_axes))

@@ -1,0 +1,1 @@
+"""The DeepSeek-V3 model: decoder layers, scanned stacks, multi-token prediction."""

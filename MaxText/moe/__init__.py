@@ -1,0 +1,1 @@
+"""The dropless mixture-of-experts: router, token dispatch, grouped matmul, the MoE block."""

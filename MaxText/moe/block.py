@@ -1,0 +1,65 @@
+"""The DeepSeekMoE block: routed experts (dropless) plus always-on shared experts.
+
+``y = sum_k w_k * E_k(x) + S(x)``, experts are SwiGLU ``wo(silu(wi_0 x) * wi_1 x)``.
+
+Besides its output, each block records two things for the training step, in collections that
+mirror the ``moe_bias`` collection leaf for leaf (the leaf is named ``router`` everywhere):
+``moe_load`` (tokens per expert in this batch, for the bias update and load metrics) and
+``moe_loss`` (the sequence-wise balance loss).
+
+Shape legend: B batch, S sequence, T = B*S tokens, D model dim, E experts, F expert hidden,
+K experts per token, M = T*K routed rows.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from MaxText.config import Config
+from MaxText.layers.common import activation_dtype, constrain, float32_or_wider, kernel_init, param, weight_dtype
+from MaxText.layers.mlp import SwiGLU
+from MaxText.moe.dispatch import combine, sort_by_expert
+from MaxText.moe.grouped_matmul import grouped_matmul
+from MaxText.moe.router import route, sequence_balance_loss, tokens_per_expert
+
+# Collections written by every MoE block (see the module docstring).
+BIAS, LOAD, LOSS = "moe_bias", "moe_load", "moe_loss"
+MOE_COLLECTIONS = (BIAS, LOAD, LOSS)
+
+
+class MoEBlock(nn.Module):
+    config: Config
+
+    @nn.compact
+    def __call__(self, x_BSD: jax.Array) -> jax.Array:
+        c = self.config
+        B, S, D = x_BSD.shape
+        E, F = c.num_experts, c.base_moe_mlp_dim
+        router_dtype = float32_or_wider(activation_dtype(c))
+
+        # Router in float32; the correction bias is state, updated outside the gradient.
+        gate_DE = self.param("router", kernel_init(c, ("embed", None)), (D, E), weight_dtype(c))
+        bias = self.variable(BIAS, "router", nn.with_logical_partitioning(jnp.zeros, (None,)), (E,), router_dtype)
+        logits_BSE = jnp.einsum("bsd,de->bse", x_BSD.astype(router_dtype), gate_DE.astype(router_dtype))
+        routing = route(logits_BSE.reshape(B * S, E), bias.value, c)
+
+        # Dropless experts: sort token copies by expert, grouped matmuls, un-sort and combine.
+        x_TD = x_BSD.reshape(B * S, D)
+        dispatch = sort_by_expert(x_TD, routing.experts_TK, E)
+        wi_0 = param(self, "wi_0", c, (E, D, F), ("exp", "embed", "mlp"))
+        wi_1 = param(self, "wi_1", c, (E, D, F), ("exp", "embed", "mlp"))
+        wo = param(self, "wo", c, (E, F, D), ("exp", "mlp", "embed"))
+        gate_MF = grouped_matmul(dispatch.x_MD, wi_0, dispatch.group_sizes_E, c.moe_matmul)
+        up_MF = grouped_matmul(dispatch.x_MD, wi_1, dispatch.group_sizes_E, c.moe_matmul)
+        y_MD = grouped_matmul(nn.silu(gate_MF) * up_MF, wo, dispatch.group_sizes_E, c.moe_matmul)
+        y_BSD = combine(y_MD, dispatch.order_M, routing.weights_TK).reshape(B, S, D)
+
+        if c.shared_experts > 0:
+            y_BSD += SwiGLU(c, c.shared_experts * F, name="shared_experts")(x_BSD)
+
+        # Statistics for the training step.
+        K = c.num_experts_per_tok
+        self.variable(LOAD, "router", jnp.zeros, (E,), jnp.int32).value = tokens_per_expert(routing.experts_TK, E)
+        balance = sequence_balance_loss(routing.scores_TE.reshape(B, S, E), routing.experts_TK.reshape(B, S, K))
+        self.variable(LOSS, "router", jnp.zeros, (), router_dtype).value = balance
+        return constrain(y_BSD.astype(x_BSD.dtype), ("activation_batch", "activation_length", "activation_embed"))
