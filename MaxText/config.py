@@ -59,6 +59,7 @@ class Config(BaseModel):
     # optimizer
     learning_rate: float
     warmup_steps: int
+    learning_rate_schedule_steps: int
     learning_rate_final_fraction: float
     adam_b1: float
     adam_b2: float
@@ -141,6 +142,10 @@ class Config(BaseModel):
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def schedule_steps(self) -> int:
+        return self.steps if self.learning_rate_schedule_steps == -1 else self.learning_rate_schedule_steps
+
+    @property
     def output_dir(self) -> Path:
         return Path(self.base_output_directory) / self.run_name
 
@@ -179,6 +184,11 @@ def check_rules(c: Config) -> None:
         _require(getattr(c, key) >= (0 if key == "steps" else 1), key, f"must be positive, got {getattr(c, key)}")
     _require(c.max_target_length >= 2, "max_target_length", "must be at least 2")
     _require(c.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+    _require(
+        c.learning_rate_schedule_steps == -1 or c.learning_rate_schedule_steps >= 1,
+        "learning_rate_schedule_steps",
+        "must be >= 1 or -1 (= steps)",
+    )
     _require(c.vocab_size >= c.synthetic_vocab_size, "synthetic_vocab_size", "must not exceed vocab_size")
     _require(0 <= c.synthetic_noise <= 1, "synthetic_noise", "must be a probability in [0, 1]")
     _require(
@@ -234,7 +244,11 @@ def check_rules(c: Config) -> None:
         )
     for name, axes in c.logical_axis_rules:
         unknown = [a for a in axes if a not in MESH_AXES]
-        _require(not unknown, "logical_axis_rules", f"rule '{name}' names unknown mesh axes {unknown}; known: {list(MESH_AXES)}")
+        _require(
+            not unknown,
+            "logical_axis_rules",
+            f"rule '{name}' names unknown mesh axes {unknown}; known: {list(MESH_AXES)}",
+        )
 
 
 # ---------------------------------------------------------------- loading

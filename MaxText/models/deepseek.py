@@ -48,7 +48,9 @@ class DeepSeekV3(nn.Module):
 
         x_BSD = embed(tokens_BS)
         if c.first_num_dense_layers > 0:
-            x_BSD = LayerStack(c, False, c.first_num_dense_layers, name="dense_layers")(x_BSD, positions_BS, segment_ids_BS)
+            x_BSD = LayerStack(c, False, c.first_num_dense_layers, name="dense_layers")(
+                x_BSD, positions_BS, segment_ids_BS
+            )
         if c.num_moe_layers > 0:
             x_BSD = LayerStack(c, True, c.num_moe_layers, name="moe_layers")(x_BSD, positions_BS, segment_ids_BS)
         main_logits = logits(RMSNorm(c, name="final_norm")(x_BSD))

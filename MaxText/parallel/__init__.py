@@ -1,1 +1,1 @@
-"""parallel"""
+"""Device mesh, logical-axis sharding, and multi-process start-up."""

@@ -1,1 +1,1 @@
-"""train"""
+"""Training: optimizer and schedule, train state, loss, the jitted step, metrics, the loop."""

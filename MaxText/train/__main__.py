@@ -1,0 +1,29 @@
+"""Entry point: ``python -m MaxText.train [extra.yml ...] key=value ...``.
+
+Bad configuration exits with code 2 and one line naming the key.
+"""
+
+import sys
+
+from MaxText.config import ConfigError, load_config_or_exit
+
+
+def main(argv: list[str]) -> int:
+    config = load_config_or_exit(argv)
+
+    from MaxText.parallel.distributed import initialize_distributed, select_platform
+
+    select_platform(config)
+    initialize_distributed(config)
+    from MaxText.train.loop import train
+
+    try:
+        train(config)
+    except ConfigError as err:  # problems only visible with devices present (mesh vs device count, ...)
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,109 @@
+"""The training loop, in named steps: devices, mesh, model, optimizer, state, data, loop, outputs.
+
+Only process 0 writes files. Metrics are fetched from the device every ``log_period`` steps
+(and at the last step), so the loop never waits on the device in between.
+"""
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+from tqdm import tqdm
+
+from MaxText.config import Config, config_to_yaml
+from MaxText.data.source import make_data_source
+from MaxText.models.accounting import train_flops_per_token
+from MaxText.models.deepseek import DeepSeekV3
+from MaxText.parallel.mesh import make_mesh
+from MaxText.parallel.sharding import axis_rules, batch_sharding, put_global_batch
+from MaxText.train.metrics import MetricsWriter, peak_tflops, throughput
+from MaxText.train.optimizer import make_optimizer
+from MaxText.train.state import create_train_state
+from MaxText.train.step import make_train_step
+
+
+@dataclass
+class RunResult:
+    output_dir: Path
+    losses: dict[int, float]  # the loss at every logged step
+    final_metrics: dict
+
+
+def runtime_topology(config: Config) -> dict:
+    devices = jax.devices()
+    return {
+        "num_processes": jax.process_count(),
+        "num_devices": len(devices),
+        "device_kind": devices[0].device_kind,
+        "platform": devices[0].platform,
+        "dtype": config.dtype,
+    }
+
+
+def train(config: Config) -> RunResult:
+    # ---- devices and config resolution ----
+    config = config.with_platform(jax.devices()[0].platform)
+    topology = runtime_topology(config)
+    is_writer = jax.process_index() == 0
+    output_dir = config.output_dir
+    if is_writer:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.yml").write_text(config_to_yaml(config, topology))
+
+    # ---- mesh, model, optimizer, state ----
+    mesh = make_mesh(config)
+    model = DeepSeekV3(config)
+    optimizer = make_optimizer(config)
+    state, state_shardings = create_train_state(model, config, optimizer, mesh)
+    step_fn = jax.jit(
+        make_train_step(model, config, optimizer),
+        in_shardings=(state_shardings, batch_sharding(mesh, config)),
+        out_shardings=(state_shardings, None),
+        donate_argnums=(0,),
+    )
+
+    # ---- data ----
+    num_devices = topology["num_devices"]
+    global_batch = config.global_batch_size(num_devices)
+    data = iter(make_data_source(config, global_batch, jax.process_index(), jax.process_count()))
+    tokens_per_step = global_batch * config.max_target_length
+    flops_per_token = train_flops_per_token(config)
+    peak = peak_tflops(topology["device_kind"], config.dtype)
+
+    # ---- loop ----
+    writer = MetricsWriter(output_dir, config.enable_tensorboard) if is_writer else None
+    losses: dict[int, float] = {}
+    record: dict = {}
+    window_start, window_steps = time.perf_counter(), 0
+    progress = tqdm(range(1, config.steps + 1), desc="train", unit="step", disable=not is_writer, dynamic_ncols=True)
+    with mesh, nn.logical_axis_rules(axis_rules(config)):
+        for step in progress:
+            batch = put_global_batch(next(data), batch_sharding(mesh, config))
+            state, metrics = step_fn(state, batch)
+            window_steps += 1
+            if step == 1 or step % config.log_period == 0 or step == config.steps:
+                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                now = time.perf_counter()
+                step_time = (now - window_start) / window_steps
+                window_start, window_steps = now, 0
+                record = {
+                    "step": step,
+                    **metrics,
+                    **throughput(tokens_per_step, step_time, flops_per_token, num_devices, peak),
+                }
+                losses[step] = metrics["loss"]
+                progress.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                if writer:
+                    writer.write(record)
+    plot = writer.close() if writer else None
+    if is_writer:
+        print(
+            f"outputs in {output_dir}: config.yml, metrics.jsonl"
+            + (", tensorboard/" if config.enable_tensorboard else "")
+            + (f", {plot.name}" if plot else "")
+        )
+        if record:
+            print(f"final loss {record['loss']:.4f} at step {record['step']}")
+    return RunResult(output_dir, losses, record)

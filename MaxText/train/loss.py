@@ -1,0 +1,66 @@
+"""The training loss: next-token cross-entropy + MTP losses + the MoE balance loss.
+
+    loss = CE(main) + mtp_loss_scaling_factor x mean_k CE(MTP depth k) + load_balance_loss_weight x sum of balance losses
+
+Positions whose target is padding (``targets_segmentation == 0``) carry no loss. MTP depth k at
+position i predicts ``targets[i + k]``; it counts only when that target lies in the same
+document and inside the sequence.
+
+Shape legend: B batch, S sequence, V vocabulary, N MTP depth.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from MaxText.config import Config
+from MaxText.models.deepseek import DeepSeekV3, shift_left
+from MaxText.moe.block import BIAS, LOAD, LOSS
+
+
+class LossParts(NamedTuple):
+    loss: jax.Array
+    lm_loss: jax.Array
+    mtp_loss: jax.Array
+    aux_loss: jax.Array
+    expert_load: Any  # tree of [.., E] token counts, same structure as the moe_bias collection
+
+
+def cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array, weights_BS: jax.Array) -> jax.Array:
+    """Mean token cross-entropy over positions with weight 1."""
+    logprobs_BSV = jax.nn.log_softmax(logits_BSV.astype(jnp.promote_types(logits_BSV.dtype, jnp.float32)), axis=-1)
+    nll_BS = -jnp.take_along_axis(logprobs_BSV, targets_BS[..., None], axis=-1)[..., 0]
+    return (nll_BS * weights_BS).sum() / jnp.maximum(weights_BS.sum(), 1)
+
+
+def mtp_weights(targets_segmentation_BS: jax.Array, k: int) -> jax.Array:
+    """1 where MTP depth k has a valid target: inside the sequence and in the same document."""
+    S = targets_segmentation_BS.shape[1]
+    inside_S = jnp.arange(S) < S - k
+    shifted_BS = shift_left(targets_segmentation_BS, k)
+    return (inside_S & (shifted_BS == targets_segmentation_BS) & (targets_segmentation_BS != 0)).astype(jnp.float32)
+
+
+def compute_loss(
+    model: DeepSeekV3, config: Config, params: Any, moe_bias: Any, batch: dict[str, jax.Array]
+) -> LossParts:
+    (logits_BSV, mtp_logits_NBSV), stats = model.apply(
+        {"params": params, BIAS: moe_bias},
+        batch["inputs"],
+        batch["inputs_position"],
+        batch["inputs_segmentation"],
+        mutable=[LOAD, LOSS],
+    )
+    targets_BS, segments_BS = batch["targets"], batch["targets_segmentation"]
+    lm_loss = cross_entropy(logits_BSV, targets_BS, (segments_BS != 0).astype(jnp.float32))
+
+    mtp_loss = jnp.zeros((), lm_loss.dtype)
+    for k in range(1, config.mtp_num_layers + 1):
+        mtp_loss += cross_entropy(mtp_logits_NBSV[k - 1], shift_left(targets_BS, k), mtp_weights(segments_BS, k))
+    mtp_loss /= max(config.mtp_num_layers, 1)
+
+    balance = sum(jnp.sum(x) for x in jax.tree.leaves(stats.get(LOSS, {})))
+    aux_loss = config.load_balance_loss_weight * jnp.asarray(balance, lm_loss.dtype)
+    loss = lm_loss + config.mtp_loss_scaling_factor * mtp_loss + aux_loss
+    return LossParts(loss, lm_loss, mtp_loss, aux_loss, stats.get(LOAD, {}))

@@ -1,0 +1,185 @@
+"""The dropless MoE block against a per-token reference: forward, gradients and load counts.
+
+The reference routes each token with a numpy loop over the reference doc's steps and computes
+``sum_k w_k E_k(x) + S(x)`` token by token (no sorting, no grouped matmul), in jnp so that
+``jax.grad`` of it can be compared with the block's gradients.
+"""
+
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_config
+
+from MaxText.moe.block import MoEBlock
+
+B, S = 2, 16
+
+
+def random_params(cfg, seed=0):
+    x = jnp.zeros((B, S, cfg.emb_dim), jnp.float32)
+    shapes = nn.unbox(jax.eval_shape(lambda: MoEBlock(cfg).init(jax.random.key(0), x)))["params"]
+    rng = np.random.default_rng(seed)
+
+    def fill(path, leaf):
+        fan_in = leaf.shape[-2]  # [D, F], [F, D], [E, D, F], [E, F, D], router [D, E]
+        std = (1.5 if path[-1].key == "router" else 1.0) / math.sqrt(fan_in)
+        return jnp.asarray(std * rng.standard_normal(leaf.shape), leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(fill, shapes)
+
+
+@functools.cache
+def setup(*overrides):
+    """(config, params, jitted block forward and gradients), once per config."""
+    cfg = make_config(*overrides)
+
+    def block(params, bias, x):
+        variables = {"params": params, "moe_bias": {"router": bias}}
+        y, state = MoEBlock(cfg).apply(variables, x, mutable=["moe_load", "moe_loss"])
+        return y, state["moe_load"]["router"], state["moe_loss"]["router"]
+
+    def block_with_grad(params, bias, x, cot):
+        def loss(p, x_):
+            y, load, balance = block(p, bias, x_)
+            return jnp.sum(y * cot), (y, load, balance)
+
+        (_, outputs), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+        return outputs, grads
+
+    return cfg, random_params(cfg), jax.jit(block_with_grad)
+
+
+# ------------------------------------------------------------------ reference
+
+
+def reference_experts(cfg, params, bias, x):
+    """[T, K] chosen experts, token by token (float64)."""
+    x_TD = np.asarray(x, np.float64).reshape(-1, cfg.emb_dim)
+    E, G, K = cfg.num_experts, cfg.n_routing_groups, cfg.num_experts_per_tok
+    size = E // G
+    out = []
+    for x_D in x_TD:
+        s = 1 / (1 + np.exp(-(x_D @ np.asarray(params["router"], np.float64))))
+        sel = s + np.asarray(bias, np.float64)
+        group_score = [np.sort(sel[g * size : (g + 1) * size])[-2:].sum() for g in range(G)]
+        kept = np.argsort(group_score)[::-1][: cfg.topk_routing_group]
+        allowed = [e for g in kept for e in range(g * size, (g + 1) * size)]
+        out.append(sorted(sorted(allowed, key=lambda e: -sel[e])[:K]))
+    return np.array(out, np.int32)
+
+
+def reference_moe(cfg, params, x, experts_TK):
+    """Each token t: sum over its K chosen experts e_tk of w_tk * SwiGLU_e(x_t), plus the shared expert.
+
+    ``w_tk`` are the unbiased sigmoid scores of the chosen experts, normalised and scaled. Each token
+    gathers its own experts' weight matrices ([T, K, D, F]): no sorting, no grouped matmul.
+    """
+    x_TD = x.reshape(-1, x.shape[-1])
+    s_TE = jax.nn.sigmoid(x_TD @ params["router"])
+    w_TK = jnp.take_along_axis(s_TE, experts_TK, axis=1)
+    w_TK = w_TK / (w_TK.sum(axis=1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
+    gate_TKF = jnp.einsum("td,tkdf->tkf", x_TD, params["wi_0"][experts_TK])
+    up_TKF = jnp.einsum("td,tkdf->tkf", x_TD, params["wi_1"][experts_TK])
+    y_TD = jnp.einsum("tkf,tkfd,tk->td", jax.nn.silu(gate_TKF) * up_TKF, params["wo"][experts_TK], w_TK)
+    shared = params["shared_experts"]
+    y_TD += (jax.nn.silu(x_TD @ shared["wi_0"]) * (x_TD @ shared["wi_1"])) @ shared["wo"]
+    return y_TD.reshape(x.shape)
+
+
+@functools.cache
+def reference_with_grad(*overrides):
+    """Jitted (y, gradients wrt params and x) of the reference; the routing is an input."""
+    cfg = make_config(*overrides)
+
+    def loss(p, x, experts_TK, cot):
+        y = reference_moe(cfg, p, x, experts_TK)
+        return jnp.sum(y * cot), y
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+
+def reference_balance_loss(cfg, params, x, experts_TK):
+    E, K = cfg.num_experts, cfg.num_experts_per_tok
+    x = np.asarray(x, np.float64)
+    losses = []
+    for b in range(B):
+        s = 1 / (1 + np.exp(-(x[b] @ np.asarray(params["router"], np.float64))))
+        f = E / (K * S) * np.bincount(experts_TK[b * S : (b + 1) * S].ravel(), minlength=E)
+        p = (s / s.sum(-1, keepdims=True)).mean(0)
+        losses.append((f * p).sum())
+    return np.mean(losses)
+
+
+# ------------------------------------------------------------------ tests
+
+
+def routing_bias(kind, E):
+    if kind == "zipf":
+        return 0.8 / np.arange(1, E + 1)  # expert e is preferred in proportion to 1/(e+1)
+    if kind == "one_expert":
+        return np.eye(E)[0] * 10.0  # every token goes to expert 0 (and 3 others)
+    if kind == "one_group":
+        return np.repeat([10.0, 0.0], [4, E - 4])  # experts 0..3 (routing group 0) get every token
+    return np.random.default_rng(3).standard_normal(E) * 0.05
+
+
+@pytest.mark.parametrize("kind", ["balanced", "zipf", "one_expert", "one_group"])
+def test_moe_block_matches_reference(kind):
+    cfg, params, block_with_grad = setup()
+    E, K, T = cfg.num_experts, cfg.num_experts_per_tok, B * S
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((B, S, cfg.emb_dim)), jnp.float32)
+    cot = jnp.asarray(rng.standard_normal((B, S, cfg.emb_dim)), jnp.float32)
+    bias = jnp.asarray(routing_bias(kind, E), jnp.float32)
+    experts = reference_experts(cfg, params, bias, x)
+    load_ref = np.bincount(experts.ravel(), minlength=E)
+    mean_load = T * K / E
+
+    # The routing case is what it claims to be.
+    if kind == "balanced":
+        assert load_ref.max() <= 3 * mean_load and np.count_nonzero(load_ref) >= E - 2
+    elif kind == "zipf":
+        assert load_ref[0] == load_ref.max() >= 3 * mean_load
+        assert np.count_nonzero(load_ref < mean_load / 2) >= 3
+    elif kind == "one_expert":
+        assert load_ref[0] == T
+    else:
+        np.testing.assert_array_equal(load_ref, [T] * 4 + [0] * (E - 4))
+
+    (y, load, balance), (g_params, g_x) = block_with_grad(params, bias, x, cot)
+    (_, y_ref), (ref_params, ref_x) = reference_with_grad()(params, x, jnp.asarray(experts), cot)
+
+    # Forward: every token's output (dropless), and the statistics the block records.
+    assert float(jnp.abs(y_ref).mean()) > 0.1
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
+    assert load.dtype == jnp.int32 and int(load.sum()) == T * K
+    np.testing.assert_array_equal(np.asarray(load), load_ref)
+    assert float(balance) == pytest.approx(reference_balance_loss(cfg, params, x, experts), rel=1e-5)
+
+    # Gradients wrt the input and every parameter (experts, router, shared expert).
+    np.testing.assert_allclose(np.asarray(g_x), np.asarray(ref_x), rtol=1e-4, atol=1e-5)
+    flat_ref = dict(jax.tree_util.tree_leaves_with_path(ref_params))
+    for path, g in jax.tree_util.tree_leaves_with_path(g_params):
+        np.testing.assert_allclose(
+            np.asarray(g), np.asarray(flat_ref[path]), rtol=1e-4, atol=1e-5, err_msg=jax.tree_util.keystr(path)
+        )
+    # Experts that received no tokens get exactly zero gradient; the others do not.
+    unused = load_ref == 0
+    for name in ("wi_0", "wi_1", "wo"):
+        g = np.asarray(g_params[name])
+        assert not np.any(g[unused]) and np.all(np.abs(g[~unused]).max(axis=(1, 2)) > 0), name
+
+
+def test_bias_only_changes_selection():
+    """With the bias picking the same experts, the output does not depend on the bias value."""
+    cfg, params, block_with_grad = setup()
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((B, S, cfg.emb_dim)), jnp.float32)
+    (y_a, load_a, _), _ = block_with_grad(params, jnp.zeros(cfg.num_experts).at[:4].set(10.0), x, x)
+    (y_b, load_b, _), _ = block_with_grad(params, jnp.zeros(cfg.num_experts).at[:4].set(50.0), x, x)
+    np.testing.assert_array_equal(np.asarray(load_a), np.asarray(load_b))
+    np.testing.assert_allclose(np.asarray(y_a), np.asarray(y_b), rtol=1e-6, atol=1e-6)

@@ -1,0 +1,226 @@
+"""Cluster recipes and images: what can be checked without a cluster.
+
+Each recipe keeps its ``python -m MaxText.train`` arguments in one bash array, ``TRAIN_ARGS=( ... )``.
+The tests evaluate that array with bash (with the recipe's ``NAME=${NAME:-default}`` settings), load
+it with the real config loader, and fill the mesh for the recipe's GPU count with the real mesh
+code, so a recipe that would die at start-up on the cluster fails here first.
+"""
+
+import math
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from MaxText.config import load_config
+from MaxText.parallel.mesh import mesh_shape
+
+REPO = Path(__file__).resolve().parents[1]
+SBATCH = sorted((REPO / "recipes" / "slurm").glob("*.sbatch"))
+K8S = sorted((REPO / "recipes" / "k8s").glob("*.yaml"))
+NVL72_GPUS = 72
+
+
+def _train_args(script: str) -> list[str]:
+    """The recipe's TRAIN_ARGS as bash expands them at launch (undefined variables are an error)."""
+    block = re.search(r"^[ \t]*TRAIN_ARGS=\([ \t]*$.*?^[ \t]*\)[ \t]*$", script, re.M | re.S)
+    assert block, "no TRAIN_ARGS=( ... ) block"
+    settings = re.findall(r"^[ \t]*[A-Z_][A-Z0-9_]*=\$\{[A-Z_][A-Z0-9_]*:-[^}]*\}[ \t]*$", script, re.M)
+    program = "\n".join(["set -eu", *settings, block.group(0), 'printf "%s\\0" "${TRAIN_ARGS[@]}"'])
+    result = subprocess.run(["bash", "-c", program], env={"PATH": os.environ["PATH"]}, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split("\0")[:-1]
+
+
+def _check_layout(args: list[str], gpus: int, domain_gpus: int) -> None:
+    """Arguments validate; the filled mesh covers every GPU; its ici part is one NVLink domain."""
+    config = load_config(args)
+    assert config.hardware == "gpu"
+    dcn, ici = mesh_shape(config, gpus)  # raises ConfigError when the product is not `gpus`
+    assert math.prod(dcn) * math.prod(ici) == gpus
+    assert math.prod(ici) == domain_gpus, f"ici mesh {ici} does not match the {domain_gpus} GPUs of one NVLink domain"
+    if gpus > 1:  # every process must derive the same output folder; the default run_name is a timestamp
+        assert config.run_name and "run_name=" + config.run_name in args
+
+
+# ---------------------------------------------------------------- Slurm
+
+
+def _sbatch_options(text: str) -> dict[str, str]:
+    return {m[1]: m[2] for m in re.finditer(r"^#SBATCH[ \t]+--([\w-]+)(?:[= ](\S+))?", text, re.M)}
+
+
+def _exported(text: str) -> set[str]:
+    return set(re.findall(r"^export[ \t]+([A-Z_][A-Z0-9_]*)=", text, re.M))
+
+
+def test_recipes_are_shipped():
+    assert [p.name for p in SBATCH] == ["deepseek3-671b-gb200-nvl72.sbatch", "deepseek3-small-1gpu.sbatch"]
+    assert [p.name for p in K8S] == ["deepseek3-671b-gb300-nvl72.yaml"]
+
+
+@pytest.mark.parametrize("path", SBATCH, ids=lambda p: p.name)
+def test_sbatch_is_valid_bash(path):
+    result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("path", SBATCH, ids=lambda p: p.name)
+def test_sbatch_directives_precede_the_first_command(path):
+    """sbatch stops reading #SBATCH lines at the first command."""
+    lines = path.read_text().splitlines()
+    first_command = next(i for i, line in enumerate(lines) if line.strip() and not line.lstrip().startswith("#"))
+    assert all(i < first_command for i, line in enumerate(lines) if line.startswith("#SBATCH"))
+
+
+@pytest.mark.parametrize("path", SBATCH, ids=lambda p: p.name)
+def test_sbatch_layout_validates_and_fills_its_gpus(path):
+    text = path.read_text()
+    opts = _sbatch_options(text)
+    nodes, tasks_per_node = int(opts["nodes"]), int(opts["ntasks-per-node"])
+    assert opts["gpus-per-task"] == "1", "one process per GPU"
+    assert tasks_per_node <= 4, "GB200/GB300 compute trays have 4 GPUs"
+    gpus = nodes * tasks_per_node
+    if nodes > 1:
+        segment = int(opts["segment"])
+        assert nodes % segment == 0 and segment * tasks_per_node <= NVL72_GPUS
+        domain_gpus = segment * tasks_per_node
+    else:
+        domain_gpus = gpus
+    _check_layout(_train_args(text), gpus, domain_gpus)
+
+
+@pytest.mark.parametrize("path", SBATCH, ids=lambda p: p.name)
+def test_sbatch_launch_gives_each_process_exactly_its_gpu(path):
+    text = path.read_text()
+    srun = re.search(r"^srun\b.*?MaxText\.train", text, re.M | re.S)
+    assert srun, "no srun ... python -m MaxText.train"
+    assert "--gpus-per-task=1" in srun.group(0) and "--container-image=" in srun.group(0)
+    assert '"${TRAIN_ARGS[@]}"' in text[srun.end() :].splitlines()[0]
+    if int(_sbatch_options(text)["ntasks-per-node"]) > 1:
+        # A task's one GPU is its device 0; jax.distributed would otherwise pick device SLURM_LOCALID.
+        assert re.search(r"^export JAX_LOCAL_DEVICE_IDS=0$", text, re.M)
+
+
+@pytest.mark.parametrize("path", SBATCH, ids=lambda p: p.name)
+def test_sbatch_exports_reach_the_container(path):
+    """pyxis keeps the image's values over the host's unless a variable is listed in --container-env."""
+    text = path.read_text()
+    listed = re.search(r"^CONTAINER_ENV=(\S+)$", text, re.M)
+    assert listed and '--container-env="${CONTAINER_ENV}"' in text
+    assert _exported(text) <= set(listed.group(1).split(","))
+
+
+# ---------------------------------------------------------------- Kubernetes
+
+
+def _k8s_parts(path: Path) -> tuple[dict, dict, dict, dict]:
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    (jobset,) = [d for d in docs if d["kind"] == "JobSet"]
+    (domain,) = [d for d in docs if d["kind"] == "ComputeDomain"]
+    assert domain["apiVersion"] == "resource.nvidia.com/v1beta1"
+    (rjob,) = jobset["spec"]["replicatedJobs"]
+    (container,) = rjob["template"]["spec"]["template"]["spec"]["containers"]
+    return jobset, domain, rjob, container
+
+
+@pytest.mark.parametrize("path", K8S, ids=lambda p: p.name)
+def test_k8s_yaml_parses(path):
+    kinds = [d["kind"] for d in yaml.safe_load_all(path.read_text()) if d]
+    assert sorted(kinds) == ["ComputeDomain", "JobSet"]
+
+
+@pytest.mark.parametrize("path", K8S, ids=lambda p: p.name)
+def test_k8s_layout_validates_and_fills_its_gpus(path):
+    _, _, rjob, container = _k8s_parts(path)
+    job = rjob["template"]["spec"]
+    pods_per_job = job["parallelism"]
+    gpus_per_pod = int(container["resources"]["limits"]["nvidia.com/gpu"])
+    assert job["completions"] == pods_per_job and job["completionMode"] == "Indexed"
+    assert pods_per_job * gpus_per_pod <= NVL72_GPUS, "a child Job must fit in one NVL72 rack"
+    gpus = rjob["replicas"] * pods_per_job * gpus_per_pod
+    _check_layout(_train_args(container["args"][0]), gpus, pods_per_job * gpus_per_pod)
+
+
+@pytest.mark.parametrize("path", K8S, ids=lambda p: p.name)
+def test_k8s_distributed_env_matches_the_jobset(path):
+    jobset, domain, rjob, container = _k8s_parts(path)
+    env = {e["name"]: e for e in container["env"]}
+    values = {name: e["value"] for name, e in env.items() if "value" in e}
+    processes = rjob["replicas"] * rjob["template"]["spec"]["parallelism"]
+    gpus_per_pod = int(container["resources"]["limits"]["nvidia.com/gpu"])
+
+    assert int(values["JAX_NUM_PROCESSES"]) == processes
+    assert domain["spec"]["numNodes"] == processes
+    name, subdomain = jobset["metadata"]["name"], jobset["spec"]["network"]["subdomain"]
+    host, _, port = values["JAX_COORDINATOR_ADDRESS"].rpartition(":")
+    assert host == f"{name}-{rjob['name']}-0-0.{subdomain}" and port.isdigit()
+    assert values.get("JAX_LOCAL_DEVICE_IDS", ",".join(map(str, range(gpus_per_pod)))) == ",".join(
+        map(str, range(gpus_per_pod))
+    ), "the pod's one process drives all of its GPUs"
+
+    # JAX_PROCESS_ID: evaluate the script's formula for every (job index, completion index).
+    script = container["args"][0]
+    (formula,) = re.findall(r"^[ \t]*export JAX_PROCESS_ID=.*$", script, re.M)
+    assert (
+        env["JOB_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['jobset.sigs.k8s.io/job-index']"
+    )
+    settings = "\n".join(f"{k}={v!r}" for k, v in values.items() if re.fullmatch(r"[A-Z_][A-Z0-9_]*", k))
+    program = (
+        f"{settings}\nfor JOB_INDEX in $(seq 0 {rjob['replicas'] - 1}); do"
+        f" for JOB_COMPLETION_INDEX in $(seq 0 {rjob['template']['spec']['parallelism'] - 1}); do"
+        f"\n{formula.strip()}\necho $JAX_PROCESS_ID; done; done"
+    )
+    ids = subprocess.run(["bash", "-c", program], capture_output=True, text=True, check=True).stdout.split()
+    assert sorted(map(int, ids)) == list(range(processes))
+
+
+@pytest.mark.parametrize("path", K8S, ids=lambda p: p.name)
+def test_k8s_pods_claim_nvlink_and_shared_memory(path):
+    jobset, domain, rjob, container = _k8s_parts(path)
+    pod = rjob["template"]["spec"]["template"]["spec"]
+    template_name = domain["spec"]["channel"]["resourceClaimTemplate"]["name"]
+    claims = {c["name"]: c.get("resourceClaimTemplateName") for c in pod["resourceClaims"]}
+    assert template_name in claims.values()
+    assert {c["name"] for c in container["resources"]["claims"]} & set(claims)
+
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert any(e["key"] == "nvidia.com/gpu.clique" for t in terms for e in t["matchExpressions"])
+    assert jobset["metadata"]["annotations"]["alpha.jobset.sigs.k8s.io/exclusive-topology"] == "nvidia.com/gpu.clique"
+
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (shm,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory"
+
+
+# ---------------------------------------------------------------- images and requirements
+
+
+def test_gpu_requirements_extend_the_cpu_set():
+    cpu = (REPO / "requirements.txt").read_text()
+    gpu = [line.split("#")[0].strip() for line in (REPO / "requirements-gpu.txt").read_text().splitlines()]
+    gpu = [line for line in gpu if line]
+    jax_version = re.search(r"^jax==(\S+)$", cpu, re.M).group(1)
+    assert gpu[0] == "-r requirements.txt"
+    assert f"jax[cuda13]=={jax_version}" in gpu
+    assert any(re.fullmatch(r"transformer-engine\[[\w,]*\bjax\b[\w,]*\]==2\.20\.2", line) for line in gpu)
+    assert not re.search(r"transformer.engine", cpu, re.I), "Transformer Engine cannot install without CUDA"
+
+
+def test_gpu_image_builds_transformer_engine_without_build_isolation():
+    dockerfile = (REPO / "docker" / "Dockerfile.gpu").read_text()
+    assert re.search(r"pip install --no-build-isolation -r requirements-gpu\.txt", dockerfile)
+    assert "COPY . /workspace" in dockerfile
+
+
+@pytest.mark.parametrize(
+    "path",
+    [*SBATCH, *K8S, REPO / "docker" / "Dockerfile.gpu", REPO / "docker" / "Dockerfile.cpu"],
+    ids=lambda p: p.name,
+)
+def test_no_cuda_device_max_connections(path):
+    """Serialising kernel launches onto one hardware queue hurts Blackwell; it must not be set."""
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in path.read_text()

@@ -1,0 +1,154 @@
+"""End-to-end training through the real entry point (``python -m MaxText.train``), in subprocesses
+so each run chooses its own device count.
+
+One single-device run of the tiny model is the reference: its loss must fall, its outputs must
+follow the output contract, and sharded, multi-process and gradient-accumulated runs over the
+same global batch must reproduce its losses.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from MaxText.train.metrics import METRIC_FIELDS
+
+REPO = Path(__file__).resolve().parents[1]
+GLOBAL_BATCH = 8  # sequences per step in every comparison run below
+COMPARE_STEPS = 4
+# Comparison runs stop after COMPARE_STEPS but follow the reference run's learning-rate schedule.
+SAME_SCHEDULE = "learning_rate_schedule_steps=60"
+
+
+def launch(output: Path, devices: int, *args: str, env: dict | None = None) -> subprocess.Popen:
+    environment = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        **(env or {}),
+    }
+    command = [sys.executable, "-m", "MaxText.train", f"base_output_directory={output}", "dtype=float32", *args]
+    return subprocess.Popen(
+        command, cwd=REPO, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def run(output: Path, devices: int, *args: str) -> list[dict]:
+    process = launch(output, devices, *args)
+    log, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, log[-3000:]
+    run_name = next(a.split("=", 1)[1] for a in args if a.startswith("run_name="))
+    return read_metrics(output / run_name)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(records: list[dict]) -> list[float]:
+    return [r["loss"] for r in records[:COMPARE_STEPS]]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """deepseek3-tiny, 60 steps on one device, a metrics line every step."""
+    output = tmp_path_factory.mktemp("runs")
+    records = run(output, 1, "run_name=reference", "steps=60", "log_period=1", f"per_device_batch_size={GLOBAL_BATCH}")
+    return output / "reference", records
+
+
+def test_loss_falls_on_synthetic_data(reference):
+    _, records = reference
+    first, last = records[0]["loss"], records[-1]["loss"]
+    assert records[-1]["step"] == 60
+    assert first - last > 0.5, f"loss went from {first:.3f} to {last:.3f}"
+
+
+def test_output_contract(reference):
+    run_dir, records = reference
+    for record in records:
+        missing = [f for f in METRIC_FIELDS if f not in record]
+        assert not missing, f"metrics.jsonl line lacks {missing}"
+    assert records[-1]["mfu"] is None  # no peak is known for a CPU
+    assert records[-1]["tokens_per_s"] > 0 and records[-1]["tflops_per_device"] > 0
+    assert records[-1]["aux_loss"] > 0 and records[-1]["mtp_loss"] > 0
+    assert records[-1]["expert_load_max_over_mean"] >= 1.0
+    saved = yaml.safe_load((run_dir / "config.yml").read_text())
+    assert saved["runtime"]["num_devices"] == 1 and saved["runtime"]["num_processes"] == 1
+    assert saved["runtime"]["device_kind"] and saved["dtype"] == "float32"
+    assert (run_dir / "loss.png").stat().st_size > 1000
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_sharded_run_matches_single_device(reference, tmp_path):
+    """fsdp=2 x expert=4 over 8 simulated devices, same global batch."""
+    records = run(
+        tmp_path,
+        8,
+        "run_name=sharded",
+        f"steps={COMPARE_STEPS}",
+        SAME_SCHEDULE,
+        "log_period=1",
+        "per_device_batch_size=1",
+        "ici_fsdp_parallelism=2",
+        "ici_expert_parallelism=4",
+    )
+    assert losses(records) == pytest.approx(losses(reference[1]), rel=1e-4)
+
+
+def test_gradient_accumulation_matches_one_big_batch(reference, tmp_path):
+    records = run(
+        tmp_path,
+        1,
+        "run_name=accumulated",
+        f"steps={COMPARE_STEPS}",
+        SAME_SCHEDULE,
+        "log_period=1",
+        f"per_device_batch_size={GLOBAL_BATCH // 2}",
+        "gradient_accumulation_steps=2",
+    )
+    assert losses(records) == pytest.approx(losses(reference[1]), rel=1e-5)
+
+
+def test_two_processes_match_single_device(reference, tmp_path):
+    """Two local processes (gloo collectives), 4 devices each, form one 8-device job."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = (
+        "run_name=multi",
+        f"steps={COMPARE_STEPS}",
+        SAME_SCHEDULE,
+        "log_period=1",
+        "per_device_batch_size=1",
+        "ici_expert_parallelism=2",
+    )
+    processes = [
+        launch(
+            tmp_path,
+            4,
+            *args,
+            env={"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)},
+        )
+        for i in range(2)
+    ]
+    logs = [p.communicate(timeout=600)[0] for p in processes]
+    for process, log in zip(processes, logs, strict=True):
+        assert process.returncode == 0, log[-3000:]
+    records = read_metrics(tmp_path / "multi")
+    assert losses(records) == pytest.approx(losses(reference[1]), rel=1e-4)
+    saved = yaml.safe_load((tmp_path / "multi" / "config.yml").read_text())
+    assert saved["runtime"]["num_processes"] == 2 and saved["runtime"]["num_devices"] == 8
+
+
+def test_mesh_that_does_not_fit_the_devices_exits_2(tmp_path):
+    process = launch(tmp_path, 8, "run_name=bad", "ici_fsdp_parallelism=3")
+    log, _ = process.communicate(timeout=300)
+    assert process.returncode == 2, log
+    lines = [line for line in log.strip().splitlines() if line.strip()]
+    assert "ici_" in lines[-1] and "8 devices" in lines[-1] and "Traceback" not in log
