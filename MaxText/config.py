@@ -13,6 +13,7 @@ turn it into exit code 2.
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 import time
 from pathlib import Path
@@ -278,15 +279,24 @@ def _check_known(layer: dict[str, Any], known: set[str], source: str) -> None:
             raise ConfigError(f"unknown config key '{key}' in {source}{hint}")
 
 
+def _parse_value(key: str, text: str) -> Any:
+    """YAML-parse a command-line value, except for string keys, which keep the text as typed
+    (so ``run_name=123`` stays the string "123")."""
+    field = Config.model_fields.get(key)
+    if not text or (field is not None and field.annotation is str):
+        return text
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
 def _parse_args(argv: list[str]) -> tuple[list[Path], dict[str, Any]]:
     ymls, overrides = [], {}
     for arg in argv:
         if "=" in arg:
             key, _, text = arg.partition("=")
-            try:
-                overrides[key.strip()] = yaml.safe_load(text) if text else ""
-            except yaml.YAMLError:
-                overrides[key.strip()] = text
+            overrides[key.strip()] = _parse_value(key.strip(), text)
         elif arg.endswith((".yml", ".yaml")):
             ymls.append(Path(arg))
         else:
@@ -298,6 +308,12 @@ def _first_error(err: ValidationError) -> str:
     first = err.errors()[0]
     key = ".".join(str(p) for p in first["loc"]) or "?"
     return f"config key '{key}': {first['msg'].lower()} (got {first.get('input')!r})"
+
+
+def default_run_name(model_name: str) -> str:
+    """``<model_name>-<Slurm job id>`` under Slurm (the same on every process), else a timestamp."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return f"{model_name}-{job}" if job else f"{model_name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def load_config(argv: list[str]) -> Config:
@@ -329,7 +345,7 @@ def load_config(argv: list[str]) -> Config:
     for layer in [base, overlay, *extras, overrides]:
         merged.update(layer)
     if not merged["run_name"]:
-        merged["run_name"] = f"{model_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        merged["run_name"] = default_run_name(model_name)
     try:
         config = Config(**merged)
     except ValidationError as err:

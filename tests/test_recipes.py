@@ -42,7 +42,7 @@ def _check_layout(args: list[str], gpus: int, domain_gpus: int) -> None:
     dcn, ici = mesh_shape(config, gpus)  # raises ConfigError when the product is not `gpus`
     assert math.prod(dcn) * math.prod(ici) == gpus
     assert math.prod(ici) == domain_gpus, f"ici mesh {ici} does not match the {domain_gpus} GPUs of one NVLink domain"
-    if gpus > 1:  # every process must derive the same output folder; the default run_name is a timestamp
+    if gpus > 1:  # every process must derive the same output folder; off Slurm the default is a timestamp
         assert config.run_name and "run_name=" + config.run_name in args
 
 

@@ -5,13 +5,14 @@ constrains activations by logical name; this module is the only place that maps 
 onto mesh axes.
 """
 
+import math
 from typing import Any
 
 import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText.config import Config
+from MaxText.config import Config, ConfigError
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
@@ -27,8 +28,25 @@ def axis_rules(config: Config) -> Rules:
 
 def logical_to_shardings(boxed_tree: Any, mesh: Mesh, config: Config) -> Any:
     """NamedShardings for a tree of logically-partitioned (boxed) abstract values."""
-    specs = nn.get_partition_spec(boxed_tree)
-    return nn.logical_to_mesh_sharding(specs, mesh, axis_rules(config))
+    check_splits(boxed_tree, dict(mesh.shape), config)
+    return nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed_tree), mesh, axis_rules(config))
+
+
+def check_splits(boxed_tree: Any, axis_sizes: dict[str, int], config: Config) -> None:
+    """Every split must divide its dim; otherwise a ConfigError names the first parameter that
+    does not fit (JAX would refuse it later, with a less helpful message). Needs only the mesh's
+    axis sizes, so a cluster layout can be checked without its devices."""
+    rules = axis_rules(config)
+    values = jax.tree_util.tree_flatten_with_path(nn.unbox(boxed_tree))[0]
+    specs = jax.tree.leaves(nn.get_partition_spec(boxed_tree), is_leaf=lambda x: isinstance(x, PartitionSpec))
+    for (path, value), logical in zip(values, specs, strict=True):
+        for dim, axes in zip(value.shape, nn.logical_to_mesh_axes(logical, rules), strict=False):
+            ways = math.prod(axis_sizes[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+            if dim % ways:
+                raise ConfigError(
+                    f"config key 'logical_axis_rules': {jax.tree_util.keystr(path)} {tuple(value.shape)} "
+                    f"cannot be split {ways} ways over {axes} (dim {dim}); change the mesh or the rules"
+                )
 
 
 def batch_sharding(mesh: Mesh, config: Config) -> NamedSharding:

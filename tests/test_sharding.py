@@ -1,0 +1,59 @@
+"""Mesh construction from ici_*/dcn_* and the logical-axis shardings, on 8 simulated devices."""
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from MaxText.config import ConfigError
+from MaxText.models.deepseek import DeepSeekV3
+from MaxText.parallel.mesh import make_mesh, mesh_shape
+from MaxText.parallel.sharding import logical_to_shardings
+from MaxText.train.state import dummy_inputs
+from tests.conftest import make_config
+
+
+def test_fill_and_dcn_outermost():
+    config = make_config("dcn_data_parallelism=2", "ici_fsdp_parallelism=-1")
+    assert mesh_shape(config, 8) == ([2, 1, 1, 1], [1, 4, 1, 1])
+    mesh = make_mesh(config, jax.devices())
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
+    # The dcn factor is outermost: the first fast domain holds devices 0-3.
+    assert sorted(d.id for d in mesh.devices[0].reshape(-1)) == [0, 1, 2, 3]
+
+
+def test_dcn_fill_uses_the_remaining_devices():
+    config = make_config("ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "dcn_data_parallelism=-1")
+    assert mesh_shape(config, 8) == ([2, 1, 1, 1], [1, 2, 2, 1])
+
+
+@pytest.mark.parametrize(
+    "overrides, devices, key",
+    [
+        (("ici_fsdp_parallelism=3",), 8, "ici_"),
+        (("ici_fsdp_parallelism=1", "ici_expert_parallelism=-1"), 32, "ici_expert_parallelism"),
+    ],
+)
+def test_mesh_errors_name_the_key(overrides, devices, key):
+    with pytest.raises(ConfigError, match=key):
+        mesh_shape(make_config(*overrides), devices)
+
+
+def _shardings(config):
+    model = DeepSeekV3(config)
+    boxed = jax.eval_shape(model.init, jax.random.key(0), *dummy_inputs(config))
+    return logical_to_shardings({"params": boxed["params"]}, make_mesh(config, jax.devices()), config)["params"]
+
+
+def test_parameters_land_on_their_mesh_axes():
+    shardings = _shardings(make_config("ici_fsdp_parallelism=2", "ici_expert_parallelism=4"))
+    moe = shardings["moe_layers"]["layers"]["moe"]
+    assert moe["wi_0"].spec == P(None, "expert", "fsdp", "tensor")  # [layers, exp, embed, mlp]
+    assert moe["wo"].spec == P(None, "expert", "tensor", "fsdp")  # [layers, exp, mlp, embed]
+    assert shardings["token_embedding"].spec == P("tensor", ("fsdp", "expert"))  # [vocab, embed]
+    assert shardings["moe_layers"]["layers"]["attention"]["wkv_b"].spec[1] == "fsdp"  # kv_lora
+
+
+def test_indivisible_split_names_the_parameter():
+    config = make_config("ici_fsdp_parallelism=8", "kv_lora_rank=36")
+    with pytest.raises(ConfigError, match=r"wkv_b.*36"):
+        _shardings(config)
