@@ -3,7 +3,9 @@
 Each recipe keeps its ``python -m MaxText.train`` arguments in one bash array, ``TRAIN_ARGS=( ... )``.
 The tests evaluate that array with bash (with the recipe's ``NAME=${NAME:-default}`` settings), load
 it with the real config loader, and fill the mesh for the recipe's GPU count with the real mesh
-code, so a recipe that would die at start-up on the cluster fails here first.
+code, so a recipe that would die at start-up on the cluster fails here first. Every parameter's split
+is checked against the model's real (abstract) parameter tree, so a layout whose shardings JAX would
+refuse when creating the train state fails here too.
 """
 
 import math
@@ -12,11 +14,17 @@ import re
 import subprocess
 from pathlib import Path
 
+import jax
 import pytest
 import yaml
 
-from MaxText.config import load_config
+from MaxText.config import Config, ConfigError, load_config
+from MaxText.models.deepseek import DeepSeekV3
+from MaxText.moe.block import BIAS
+from MaxText.parallel.axes import MESH_AXES
 from MaxText.parallel.mesh import mesh_shape
+from MaxText.parallel.sharding import check_splits
+from MaxText.train.state import dummy_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 SBATCH = sorted((REPO / "recipes" / "slurm").glob("*.sbatch"))
@@ -53,6 +61,10 @@ def _sbatch_options(text: str) -> dict[str, str]:
     return {m[1]: m[2] for m in re.finditer(r"^#SBATCH[ \t]+--([\w-]+)(?:[= ](\S+))?", text, re.M)}
 
 
+def _sbatch_gpus(opts: dict[str, str]) -> int:
+    return int(opts["nodes"]) * int(opts["ntasks-per-node"])
+
+
 def _exported(text: str) -> set[str]:
     return set(re.findall(r"^export[ \t]+([A-Z_][A-Z0-9_]*)=", text, re.M))
 
@@ -83,7 +95,7 @@ def test_sbatch_layout_validates_and_fills_its_gpus(path):
     nodes, tasks_per_node = int(opts["nodes"]), int(opts["ntasks-per-node"])
     assert opts["gpus-per-task"] == "1", "one process per GPU"
     assert tasks_per_node <= 4, "GB200/GB300 compute trays have 4 GPUs"
-    gpus = nodes * tasks_per_node
+    gpus = _sbatch_gpus(opts)
     if nodes > 1:
         segment = int(opts["segment"])
         assert nodes % segment == 0 and segment * tasks_per_node <= NVL72_GPUS
@@ -127,6 +139,14 @@ def _k8s_parts(path: Path) -> tuple[dict, dict, dict, dict]:
     return jobset, domain, rjob, container
 
 
+def _k8s_gpus(rjob: dict, container: dict) -> int:
+    return (
+        rjob["replicas"]
+        * rjob["template"]["spec"]["parallelism"]
+        * int(container["resources"]["limits"]["nvidia.com/gpu"])
+    )
+
+
 @pytest.mark.parametrize("path", K8S, ids=lambda p: p.name)
 def test_k8s_yaml_parses(path):
     kinds = [d["kind"] for d in yaml.safe_load_all(path.read_text()) if d]
@@ -141,7 +161,7 @@ def test_k8s_layout_validates_and_fills_its_gpus(path):
     gpus_per_pod = int(container["resources"]["limits"]["nvidia.com/gpu"])
     assert job["completions"] == pods_per_job and job["completionMode"] == "Indexed"
     assert pods_per_job * gpus_per_pod <= NVL72_GPUS, "a child Job must fit in one NVL72 rack"
-    gpus = rjob["replicas"] * pods_per_job * gpus_per_pod
+    gpus = _k8s_gpus(rjob, container)
     _check_layout(_train_args(container["args"][0]), gpus, pods_per_job * gpus_per_pod)
 
 
@@ -194,6 +214,80 @@ def test_k8s_pods_claim_nvlink_and_shared_memory(path):
     volumes = {v["name"]: v for v in pod["volumes"]}
     (shm,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
     assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory"
+
+
+# ---------------------------------------------------------------- parameter shardings
+
+RECIPES = [*SBATCH, *K8S]
+# Keys that place the run, build the mesh or map logical axes onto it; the boxed parameter tree (shapes
+# and logical axis names) does not depend on them.
+_NOT_MODEL_KEYS = {"run_name", "base_output_directory", "logical_axis_rules"} | {
+    f"{part}_{axis}_parallelism" for part in ("ici", "dcn") for axis in MESH_AXES
+}
+_ABSTRACT_VARIABLES: dict[str, dict] = {}
+
+
+def _recipe_layout(path: Path) -> tuple[Config, int]:
+    """The recipe's config and GPU count."""
+    if path.suffix == ".sbatch":
+        text = path.read_text()
+        return load_config(_train_args(text)), _sbatch_gpus(_sbatch_options(text))
+    _, _, rjob, container = _k8s_parts(path)
+    return load_config(_train_args(container["args"][0])), _k8s_gpus(rjob, container)
+
+
+def _axis_sizes(config: Config, gpus: int) -> dict[str, int]:
+    dcn, ici = mesh_shape(config, gpus)
+    return {axis: d * i for axis, d, i in zip(MESH_AXES, dcn, ici, strict=True)}
+
+
+def _abstract_variables(config: Config) -> dict:
+    """The boxed (logically partitioned) abstract variables the train state shards: shapes only, no
+    allocation. Computed once per model, since the 671B tree takes a second or two."""
+    key = config.model_dump_json(exclude=_NOT_MODEL_KEYS)
+    if key not in _ABSTRACT_VARIABLES:
+        config = config.with_platform("cpu")
+        variables = jax.eval_shape(DeepSeekV3(config).init, jax.random.key(0), *dummy_inputs(config))
+        _ABSTRACT_VARIABLES[key] = {"params": variables["params"], BIAS: variables.get(BIAS, {})}
+    return _ABSTRACT_VARIABLES[key]
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_recipe_splits_divide_every_parameter(path):
+    """JAX refuses a sharding whose split does not divide its dim when the train state is created."""
+    config, gpus = _recipe_layout(path)
+    check_splits(_abstract_variables(config), _axis_sizes(config, gpus), config)
+
+
+def _latents_over_fsdp_and_expert(config: Config) -> Config:
+    """The earlier rules, which split the MLA latent dims (q_lora, kv_lora) over fsdp x expert."""
+    rules = [
+        (name, ["fsdp", "expert"] if name in ("q_lora", "kv_lora") else axes)
+        for name, axes in config.logical_axis_rules
+    ]
+    return config.model_copy(update={"logical_axis_rules": rules})
+
+
+@pytest.mark.parametrize(
+    ("earlier_rules", "axis_sizes", "message"),
+    [
+        # The GB300 layout under the earlier rules: kv_lora (512) of wkv_b split 1,024 ways.
+        (
+            True,
+            {"data": 1, "fsdp": 16, "expert": 64, "tensor": 1},
+            r"wkv_b.*1024 ways over \('fsdp', 'expert'\) \(dim 512\)",
+        ),
+        (False, {"data": 1, "fsdp": 1024, "expert": 1, "tensor": 1}, r"wkv_b.*1024 ways over fsdp \(dim 512\)"),
+        (False, {"data": 1, "fsdp": 4, "expert": 1, "tensor": 256}, r"wkv_b.*256 ways over tensor \(dim 128\)"),
+    ],
+    ids=["earlier-rules-gb300", "fsdp-1024", "tensor-256"],
+)
+def test_split_check_rejects_a_split_that_does_not_divide(earlier_rules, axis_sizes, message):
+    config, _ = _recipe_layout(REPO / "recipes" / "k8s" / "deepseek3-671b-gb300-nvl72.yaml")
+    if earlier_rules:
+        config = _latents_over_fsdp_and_expert(config)
+    with pytest.raises(ConfigError, match=message):
+        check_splits(_abstract_variables(config), axis_sizes, config)
 
 
 # ---------------------------------------------------------------- images and requirements
