@@ -102,7 +102,8 @@ class Config(BaseModel):
     shared_experts: int
     base_moe_mlp_dim: int
     capacity_factor: float
-    moe_matmul: Literal["auto", "ragged_dot"]
+    moe_matmul: Literal["auto", "blocked", "ragged_dot"]
+    moe_block_rows: int
     routed_score_func: Literal["sigmoid", "softmax"]
     routed_bias: bool
     routed_bias_update_rate: float
@@ -222,11 +223,12 @@ def check_rules(c: Config) -> None:
         f"top-k {c.num_experts_per_tok} exceeds the {reachable} experts in the {c.topk_routing_group} chosen groups",
     )
     _require(
-        c.capacity_factor == -1,
+        c.capacity_factor == -1 or c.capacity_factor > 0,
         "capacity_factor",
-        "only -1 (dropless) is available; token-dropping capacity dispatch is not built yet",
+        f"must be -1 (dropless) or > 0 (token-dropping baseline), got {c.capacity_factor}",
     )
     _require(c.mtp_num_layers >= 0, "mtp_num_layers", "must be >= 0")
+    _require(c.moe_block_rows >= 1, "moe_block_rows", "must be >= 1")
     for kind, values in (("ici", c.ici_parallelism()), ("dcn", c.dcn_parallelism())):
         for axis, value in zip(MESH_AXES, values, strict=True):
             _require(value >= 1 or value == -1, f"{kind}_{axis}_parallelism", f"must be >= 1 or -1 (fill), got {value}")

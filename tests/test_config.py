@@ -127,7 +127,8 @@ BAD_INPUTS = {
     "groups not dividing experts": (["n_routing_groups=3"], ["n_routing_groups"]),
     "topk groups above groups": (["topk_routing_group=5"], ["topk_routing_group", "n_routing_groups"]),
     "fill in both ici and dcn": (["ici_fsdp_parallelism=-1", "dcn_data_parallelism=-1"], ["dcn_", "ici_"]),
-    "capacity factor": (["capacity_factor=1.25"], ["capacity_factor"]),
+    "capacity factor neither -1 nor positive": (["capacity_factor=0"], ["capacity_factor"]),
+    "block rows": (["moe_block_rows=0"], ["moe_block_rows"]),
 }
 
 
@@ -151,7 +152,7 @@ def test_unknown_key_in_extra_yml_names_key_and_file(tmp_path):
 # ---------------------------------------------------------------- (4) entry-point behaviour in process
 
 
-@pytest.mark.parametrize("arg", ["num_expert=4", "steps=abc", "capacity_factor=2"])
+@pytest.mark.parametrize("arg", ["num_expert=4", "steps=abc", "capacity_factor=-2"])
 def test_load_config_or_exit_exits_2_with_one_stderr_line(arg, capsys):
     with pytest.raises(SystemExit) as info:
         load_config_or_exit(["run_name=t", arg])

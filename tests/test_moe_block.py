@@ -128,9 +128,18 @@ def routing_bias(kind, E):
     return np.random.default_rng(3).standard_normal(E) * 0.05
 
 
+# Every routed-expert backend that runs on CPU; block sizes that do and do not divide the groups.
+BACKENDS = [
+    ("moe_matmul=ragged_dot",),
+    ("moe_matmul=blocked", "moe_block_rows=8"),
+    ("moe_matmul=blocked", "moe_block_rows=5"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: "-".join(x.split("=")[1] for x in b))
 @pytest.mark.parametrize("kind", ["balanced", "zipf", "one_expert", "one_group"])
-def test_moe_block_matches_reference(kind):
-    cfg, params, block_with_grad = setup()
+def test_moe_block_matches_reference(kind, backend):
+    cfg, params, block_with_grad = setup(*backend)
     E, K, T = cfg.num_experts, cfg.num_experts_per_tok, B * S
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((B, S, cfg.emb_dim)), jnp.float32)
@@ -183,3 +192,44 @@ def test_bias_only_changes_selection():
     (y_b, load_b, _), _ = block_with_grad(params, jnp.zeros(cfg.num_experts).at[:4].set(50.0), x, x)
     np.testing.assert_array_equal(np.asarray(load_a), np.asarray(load_b))
     np.testing.assert_allclose(np.asarray(y_a), np.asarray(y_b), rtol=1e-6, atol=1e-6)
+
+
+def test_capacity_baseline_drops_exactly_the_overflow():
+    """capacity_factor > 0: each expert keeps its first C copies (top-1 choices first); the block
+    then equals the reference with the dropped copies' outputs removed."""
+    from MaxText.moe.capacity import capacity, dropped_copies
+
+    cfg, params, block_with_grad = setup("capacity_factor=1.0")
+    E, K, T = cfg.num_experts, cfg.num_experts_per_tok, B * S
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((B, S, cfg.emb_dim)), jnp.float32)
+    bias = jnp.asarray(routing_bias("zipf", E), jnp.float32)
+    experts = reference_experts(cfg, params, bias, x)
+    # Slot k is the token's k-th best choice by selection score (what top-k returns).
+    x64 = np.asarray(x, np.float64).reshape(T, -1)
+    sel = 1 / (1 + np.exp(-(x64 @ np.asarray(params["router"], np.float64)))) + np.asarray(bias, np.float64)
+    experts = np.take_along_axis(experts, np.argsort(-np.take_along_axis(sel, experts, 1), axis=1), axis=1)
+    C = capacity(T, K, E, 1.0)
+    # Reference queue: slot-major order, an expert keeps its first C copies.
+    kept = np.zeros((T, K), bool)
+    seen = np.zeros(E, int)
+    for k in range(K):
+        for t in range(T):
+            e = experts[t, k]
+            kept[t, k] = seen[e] < C
+            seen[e] += 1
+    assert int(dropped_copies(jnp.asarray(experts), E, 1.0)) == (~kept).sum() > 0
+    (y, _, _), _ = block_with_grad(params, bias, x, x)
+    # Per-token reference: weights normalised over all K choices, dropped copies contribute nothing.
+    x_TD = x.reshape(T, -1)
+    e_TK = jnp.asarray(experts)
+    s_TE = jax.nn.sigmoid(x_TD @ params["router"])
+    w_TK = jnp.take_along_axis(s_TE, e_TK, axis=1)
+    w_TK = w_TK / w_TK.sum(axis=1, keepdims=True) * cfg.routed_scaling_factor * jnp.asarray(kept)
+    h_TKF = jax.nn.silu(jnp.einsum("td,tkdf->tkf", x_TD, params["wi_0"][e_TK])) * jnp.einsum(
+        "td,tkdf->tkf", x_TD, params["wi_1"][e_TK]
+    )
+    y_ref = jnp.einsum("tkf,tkfd,tk->td", h_TKF, params["wo"][e_TK], w_TK)
+    shared = params["shared_experts"]
+    y_ref += (jax.nn.silu(x_TD @ shared["wi_0"]) * (x_TD @ shared["wi_1"])) @ shared["wo"]
+    np.testing.assert_allclose(np.asarray(y).reshape(T, -1), np.asarray(y_ref), rtol=1e-5, atol=1e-5)

@@ -18,8 +18,7 @@ import jax.numpy as jnp
 from MaxText.config import Config
 from MaxText.layers.common import activation_dtype, constrain, float32_or_wider, kernel_init, param, weight_dtype
 from MaxText.layers.mlp import SwiGLU
-from MaxText.moe.dispatch import combine, sort_by_expert
-from MaxText.moe.grouped_matmul import grouped_matmul
+from MaxText.moe.experts import routed_experts
 from MaxText.moe.router import route, sequence_balance_loss, tokens_per_expert
 
 # Collections written by every MoE block (see the module docstring).
@@ -43,16 +42,13 @@ class MoEBlock(nn.Module):
         logits_BSE = jnp.einsum("bsd,de->bse", x_BSD.astype(router_dtype), gate_DE.astype(router_dtype))
         routing = route(logits_BSE.reshape(B * S, E), bias.value, c)
 
-        # Dropless experts: sort token copies by expert, grouped matmuls, un-sort and combine.
-        x_TD = x_BSD.reshape(B * S, D)
-        dispatch = sort_by_expert(x_TD, routing.experts_TK, E)
+        # Dropless routed experts (dispatch, grouped SwiGLU, weighted combine) by the chosen backend.
         wi_0 = param(self, "wi_0", c, (E, D, F), ("exp", "embed", "mlp"))
         wi_1 = param(self, "wi_1", c, (E, D, F), ("exp", "embed", "mlp"))
         wo = param(self, "wo", c, (E, F, D), ("exp", "mlp", "embed"))
-        gate_MF = grouped_matmul(dispatch.x_MD, wi_0, dispatch.group_sizes_E, c.moe_matmul)
-        up_MF = grouped_matmul(dispatch.x_MD, wi_1, dispatch.group_sizes_E, c.moe_matmul)
-        y_MD = grouped_matmul(nn.silu(gate_MF) * up_MF, wo, dispatch.group_sizes_E, c.moe_matmul)
-        y_BSD = combine(y_MD, dispatch.order_M, routing.weights_TK).reshape(B, S, D)
+        x_TD = x_BSD.reshape(B * S, D)
+        y_TD = routed_experts(x_TD, routing.experts_TK, routing.weights_TK, wi_0, wi_1, wo, c)
+        y_BSD = y_TD.reshape(B, S, D)
 
         if c.shared_experts > 0:
             y_BSD += SwiGLU(c, c.shared_experts * F, name="shared_experts")(x_BSD)
