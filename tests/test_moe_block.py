@@ -198,6 +198,7 @@ def test_capacity_baseline_drops_exactly_the_overflow():
     """capacity_factor > 0: each expert keeps its first C copies (top-1 choices first); the block
     then equals the reference with the dropped copies' outputs removed."""
     from MaxText.moe.capacity import capacity, dropped_copies
+    from MaxText.train.loss import dropped_copies_from_load
 
     cfg, params, block_with_grad = setup("capacity_factor=1.0")
     E, K, T = cfg.num_experts, cfg.num_experts_per_tok, B * S
@@ -219,7 +220,9 @@ def test_capacity_baseline_drops_exactly_the_overflow():
             kept[t, k] = seen[e] < C
             seen[e] += 1
     assert int(dropped_copies(jnp.asarray(experts), E, 1.0)) == (~kept).sum() > 0
-    (y, _, _), _ = block_with_grad(params, bias, x, x)
+    (y, load, _), _ = block_with_grad(params, bias, x, x)
+    # The training metric recovers the same count from the recorded expert loads.
+    assert int(dropped_copies_from_load({"router": load}, T, cfg)) == (~kept).sum()
     # Per-token reference: weights normalised over all K choices, dropped copies contribute nothing.
     x_TD = x.reshape(T, -1)
     e_TK = jnp.asarray(experts)

@@ -78,6 +78,8 @@ def test_output_contract(reference):
     assert records[-1]["tokens_per_s"] > 0 and records[-1]["tflops_per_device"] > 0
     assert records[-1]["aux_loss"] > 0 and records[-1]["mtp_loss"] > 0
     assert records[-1]["expert_load_max_over_mean"] >= 1.0
+    assert len(records[-1]["expert_load_max_over_mean_per_layer"]) == 3  # 2 MoE layers + 1 MTP layer
+    assert records[-1]["dropped_tokens"] == 0  # dropless
     saved = yaml.safe_load((run_dir / "config.yml").read_text())
     assert saved["runtime"]["num_devices"] == 1 and saved["runtime"]["num_processes"] == 1
     assert saved["runtime"]["device_kind"] and saved["dtype"] == "float32"

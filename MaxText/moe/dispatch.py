@@ -22,23 +22,32 @@ import jax.numpy as jnp
 class BlockLayout(NamedTuple):
     token_P: jax.Array  # padded row -> the token it holds (0 for padding rows)
     valid_P: jax.Array  # padded row holds a real (token, expert) copy
-    row_TK: jax.Array  # (token, slot k) -> its padded row
+    row_TK: jax.Array  # (token, slot k) -> its padded row (an always-zero row for inactive copies)
     copy_P: jax.Array  # padded row -> its (token, slot) copy, flattened as token * K + k (0 for padding)
     expert_NB: jax.Array  # block -> its expert
+    used_blocks: jax.Array  # blocks [0, used_blocks) hold rows; the rest are padding
+    sizes_E: jax.Array  # active copies per expert
 
 
 def num_blocks(num_rows: int, num_experts: int, block_rows: int) -> int:
-    """Static upper bound on the blocks any routing needs: sum_e ceil(n_e / B) <= M // B + E."""
-    return num_rows // block_rows + num_experts
+    """Static upper bound on the blocks any routing needs, plus one block that always stays
+    empty: sum_e ceil(n_e / B) <= M // B + E."""
+    return num_rows // block_rows + num_experts + 1
 
 
-def block_layout(experts_TK: jax.Array, num_experts: int, block_rows: int) -> BlockLayout:
+def block_layout(
+    experts_TK: jax.Array, num_experts: int, block_rows: int, active_TK: jax.Array | None = None
+) -> BlockLayout:
+    """The padded layout of every copy whose ``active_TK`` is true (all by default). Inactive
+    copies (for example, routed to another device's experts) get no row: they read an
+    always-zero row and contribute nothing."""
     T, K = experts_TK.shape
     M, B = T * K, block_rows
     NB = num_blocks(M, num_experts, B)
-    flat_M = experts_TK.reshape(M)
+    active_M = jnp.ones((M,), bool) if active_TK is None else active_TK.reshape(M)
+    flat_M = jnp.where(active_M, experts_TK.reshape(M), num_experts)  # inactive copies sort last
     order_M = jnp.argsort(flat_M, stable=True)  # sorted position -> (token, slot) copy
-    sizes_E = jnp.zeros((num_experts,), jnp.int32).at[flat_M].add(1)
+    sizes_E = jnp.zeros((num_experts + 1,), jnp.int32).at[flat_M].add(1)[:num_experts]
     blocks_E = (sizes_E + B - 1) // B
     block_end_E = jnp.cumsum(blocks_E)
     block_start_E = block_end_E - blocks_E
@@ -54,8 +63,9 @@ def block_layout(experts_TK: jax.Array, num_experts: int, block_rows: int) -> Bl
 
     # The padded row of each copy: its expert's first padded row + its rank within the expert.
     rank_M = jnp.zeros((M,), jnp.int32).at[order_M].set(jnp.arange(M, dtype=jnp.int32))
-    row_M = block_start_E[flat_M] * B + rank_M - row_start_E[flat_M]
-    return BlockLayout(copy_P // K, valid_P, row_M.reshape(T, K), copy_P, expert_NB)
+    expert_M = jnp.minimum(flat_M, num_experts - 1)
+    row_M = jnp.where(active_M, block_start_E[expert_M] * B + rank_M - row_start_E[expert_M], NB * B - 1)
+    return BlockLayout(copy_P // K, valid_P, row_M.reshape(T, K), copy_P, expert_NB, block_end_E[-1], sizes_E)
 
 
 # ---- into and out of the padded layout: gathers whose transposes are gathers ----

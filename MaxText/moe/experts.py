@@ -9,6 +9,8 @@ dispatch too (the blocked backend pads groups to whole blocks in the same gather
 - ``auto``: ``ragged_dot`` on GPU/TPU, ``blocked`` elsewhere.
 
 ``capacity_factor > 0`` replaces all of them with the token-dropping baseline (``capacity.py``).
+With an expert mesh axis larger than 1, the backend runs per device inside ``shard_map`` on that
+device's experts (``expert_parallel.py``).
 
 Shape legend: T tokens, K experts per token, E experts, D model dim, F expert hidden dim,
 P padded rows.
@@ -23,22 +25,24 @@ from MaxText.config import Config
 from MaxText.moe.blocked import block_matmul
 from MaxText.moe.capacity import capacity_experts
 from MaxText.moe.dispatch import block_layout, from_blocks, to_blocks
+from MaxText.moe.expert_parallel import allgather_experts, expert_axis
 
 RoutedExperts = Callable[..., jax.Array]
 
 
-def _blocked(x_TD, experts_TK, wi_0, wi_1, wo, config: Config) -> jax.Array:
-    layout = block_layout(experts_TK, wi_0.shape[0], config.moe_block_rows)
+def _blocked(x_TD, experts_TK, active_TK, wi_0, wi_1, wo, config: Config) -> jax.Array:
+    layout = block_layout(experts_TK, wi_0.shape[0], config.moe_block_rows, active_TK)
     xp_PD = to_blocks(x_TD, layout)
-    gate_PF = block_matmul(xp_PD, wi_0, layout.expert_NB)
-    up_PF = block_matmul(xp_PD, wi_1, layout.expert_NB)
-    return from_blocks(block_matmul(jax.nn.silu(gate_PF) * up_PF, wo, layout.expert_NB), layout)
+    blocks = (layout.expert_NB, layout.used_blocks)
+    gate_PF = block_matmul(xp_PD, wi_0, *blocks)
+    up_PF = block_matmul(xp_PD, wi_1, *blocks)
+    return from_blocks(block_matmul(jax.nn.silu(gate_PF) * up_PF, wo, *blocks), layout)
 
 
-def _ragged_dot(x_TD, experts_TK, wi_0, wi_1, wo, config: Config) -> jax.Array:
-    layout = block_layout(experts_TK, wi_0.shape[0], block_rows=1)  # sorted, no padding
+def _ragged_dot(x_TD, experts_TK, active_TK, wi_0, wi_1, wo, config: Config) -> jax.Array:
+    layout = block_layout(experts_TK, wi_0.shape[0], 1, active_TK)  # sorted, no padding
     xs_PD = to_blocks(x_TD, layout)
-    sizes_E = jnp.zeros((wi_0.shape[0],), jnp.int32).at[experts_TK.reshape(-1)].add(1)
+    sizes_E = layout.sizes_E
     gate_PF = jax.lax.ragged_dot(xs_PD, wi_0, sizes_E)
     up_PF = jax.lax.ragged_dot(xs_PD, wi_1, sizes_E)
     return from_blocks(jax.lax.ragged_dot(jax.nn.silu(gate_PF) * up_PF, wo, sizes_E), layout)
@@ -69,6 +73,10 @@ def routed_experts(
     Dropless unless ``capacity_factor > 0`` asks for the token-dropping baseline."""
     if config.capacity_factor > 0:
         y_TKD = capacity_experts(x_TD, experts_TK, wi_0, wi_1, wo, config.capacity_factor)
-    else:
-        y_TKD = BACKENDS[resolve_backend(config.moe_matmul)](x_TD, experts_TK, wi_0, wi_1, wo, config)
+        return jnp.einsum("tkd,tk->td", y_TKD, weights_TK.astype(y_TKD.dtype))
+    backend = BACKENDS[resolve_backend(config.moe_matmul)]
+    axis = expert_axis()
+    if axis is not None:
+        return allgather_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, backend, axis)
+    y_TKD = backend(x_TD, experts_TK, None, wi_0, wi_1, wo, config)
     return jnp.einsum("tkd,tk->td", y_TKD, weights_TK.astype(y_TKD.dtype))

@@ -78,13 +78,13 @@ def train(config: Config) -> RunResult:
     record: dict = {}
     window_start, window_steps = time.perf_counter(), 0
     progress = tqdm(range(1, config.steps + 1), desc="train", unit="step", disable=not is_writer, dynamic_ncols=True)
-    with mesh, nn.logical_axis_rules(axis_rules(config)):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)):
         for step in progress:
             batch = put_global_batch(next(data), batch_sharding(mesh, config))
             state, metrics = step_fn(state, batch)
             window_steps += 1
             if step == 1 or step % config.log_period == 0 or step == config.steps:
-                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                metrics = {k: v.tolist() for k, v in jax.device_get(metrics).items()}
                 now = time.perf_counter()
                 step_time = (now - window_start) / window_steps
                 window_start, window_steps = now, 0

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from MaxText.config import Config
 from MaxText.models.deepseek import DeepSeekV3, shift_left
 from MaxText.moe.block import BIAS, LOAD, LOSS
+from MaxText.moe.capacity import capacity
 
 
 class LossParts(NamedTuple):
@@ -25,6 +26,7 @@ class LossParts(NamedTuple):
     mtp_loss: jax.Array
     aux_loss: jax.Array
     expert_load: Any  # tree of [.., E] token counts, same structure as the moe_bias collection
+    dropped_tokens: jax.Array  # token copies the capacity baseline dropped (0 when dropless)
 
 
 def cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array, weights_BS: jax.Array) -> jax.Array:
@@ -63,4 +65,13 @@ def compute_loss(
     balance = sum(jnp.sum(x) for x in jax.tree.leaves(stats.get(LOSS, {})))
     aux_loss = config.load_balance_loss_weight * jnp.asarray(balance, lm_loss.dtype)
     loss = lm_loss + config.mtp_loss_scaling_factor * mtp_loss + aux_loss
-    return LossParts(loss, lm_loss, mtp_loss, aux_loss, stats.get(LOAD, {}))
+    load = stats.get(LOAD, {})
+    return LossParts(loss, lm_loss, mtp_loss, aux_loss, load, dropped_copies_from_load(load, targets_BS.size, config))
+
+
+def dropped_copies_from_load(load: Any, tokens: int, config: Config) -> jax.Array:
+    """Token copies the capacity baseline dropped: each expert keeps at most C of its copies."""
+    if config.capacity_factor <= 0:
+        return jnp.zeros((), jnp.int32)  # dropless: every copy is computed
+    C = capacity(tokens, config.num_experts_per_tok, config.num_experts, config.capacity_factor)
+    return sum(jnp.maximum(leaf - C, 0).sum() for leaf in jax.tree.leaves(load))

@@ -33,6 +33,8 @@ METRIC_FIELDS = (
     "tflops_per_device",
     "mfu",
     "expert_load_max_over_mean",
+    "expert_load_max_over_mean_per_layer",
+    "dropped_tokens",
 )
 
 
@@ -76,7 +78,10 @@ class MetricsWriter:
         self.jsonl.flush()
         if self.tensorboard:
             for key, value in record.items():
-                if key != "step" and value is not None:
+                if isinstance(value, list):  # per-layer figures: one curve per layer
+                    for i, item in enumerate(value):
+                        self.tensorboard.add_scalar(f"{key}/{i}", item, record["step"])
+                elif key != "step" and value is not None:
                     self.tensorboard.add_scalar(key, value, record["step"])
 
     def close(self) -> Path | None:

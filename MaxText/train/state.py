@@ -48,7 +48,7 @@ def create_train_state(
     model: DeepSeekV3, config: Config, optimizer: optax.GradientTransformation, mesh: Mesh
 ) -> StateSetup:
     rng = jax.random.key(config.seed)
-    with mesh, nn.logical_axis_rules(axis_rules(config)):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)):
         boxed = jax.eval_shape(lambda r: _init_variables(model, config, r), rng)
         var_shardings = logical_to_shardings(boxed, mesh, config)
         variables = jax.jit(lambda r: nn.unbox(_init_variables(model, config, r)), out_shardings=var_shardings)(rng)

@@ -32,13 +32,14 @@ def update_correction_bias(bias: Any, load: Any, rate: float) -> Any:
     return jax.tree.map(update, bias, load)
 
 
-def load_max_over_mean(load: Any) -> jax.Array:
-    """Mean over routers of (most-loaded expert / mean load); 1.0 is perfect balance."""
+def load_max_over_mean_per_router(load: Any) -> jax.Array:
+    """[routers] most-loaded expert / mean load for each MoE layer (MoE stack first, then MTP);
+    1.0 is perfect balance."""
     ratios = [
         (x.max(axis=-1) / jnp.maximum(x.mean(axis=-1), 1e-9)).reshape(-1)
         for x in (leaf.astype(jnp.float32) for leaf in jax.tree.leaves(load))
     ]
-    return jnp.concatenate(ratios).mean() if ratios else jnp.ones(())
+    return jnp.concatenate(ratios) if ratios else jnp.ones((1,))
 
 
 def split_micro_batches(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
@@ -90,7 +91,9 @@ def train_step(
         "aux_loss": parts.aux_loss,
         "grad_norm": optax.global_norm(grads),
         "learning_rate": learning_rate_schedule(config)(state.step),
-        "expert_load_max_over_mean": load_max_over_mean(parts.expert_load),
+        "expert_load_max_over_mean": load_max_over_mean_per_router(parts.expert_load).mean(),
+        "expert_load_max_over_mean_per_layer": load_max_over_mean_per_router(parts.expert_load),
+        "dropped_tokens": parts.dropped_tokens,
     }
     return TrainState(state.step + 1, params, moe_bias, opt_state), metrics
 

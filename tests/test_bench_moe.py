@@ -1,0 +1,38 @@
+"""tools/bench_moe.py end to end at a tiny shape: the JSON report's structure and its invariants."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CLI = REPO / "tools" / "bench_moe.py"
+TINY = ["--tokens", "256", "--d-model", "32", "--ffn", "16", "--experts", "8", "--top-k", "2"]
+
+
+def test_bench_moe_json_report():
+    cmd = [sys.executable, str(CLI), *TINY, "--repeats", "1", "--block-rows", "128", "--json"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+
+    assert report["device"]
+    assert report["shape"]["tokens"] == 256 and report["shape"]["top_k"] == 2
+    assert report["shape"]["routed_rows"] == 512
+    cases = report["cases"]
+    keys = {"routing", "impl", "time_s", "ceiling_ratio", "dropped_tokens", "peak_bytes", "gflops"}
+    assert all(keys <= case.keys() for case in cases)
+    assert {case["routing"] for case in cases} == {"balanced", "zipf", "all_to_one"}
+    for routing in ("balanced", "zipf", "all_to_one"):
+        impls = {case["impl"] for case in cases if case["routing"] == routing}
+        assert "ceiling" in impls and any(name.startswith("dropless") for name in impls)
+    for case in cases:
+        assert case["time_s"] > 0 and case["ceiling_ratio"] > 0 and case["gflops"] > 0
+        if case["impl"].startswith("dropless"):
+            assert case["dropped_tokens"] == 0
+        if case["impl"] == "ceiling":
+            assert case["ceiling_ratio"] == 1.0
+    # Every token's top-1 on expert 0 overflows a 1.25 capacity: the baseline must drop copies.
+    capacity = [c for c in cases if c["impl"].startswith("capacity") and c["routing"] == "all_to_one"]
+    assert all(c["dropped_tokens"] > 0 for c in capacity)
+    assert report["notes"] == []
