@@ -102,8 +102,9 @@ class Config(BaseModel):
     shared_experts: int
     base_moe_mlp_dim: int
     capacity_factor: float
-    moe_matmul: Literal["auto", "blocked", "ragged_dot"]
+    moe_matmul: Literal["auto", "blocked", "ragged_dot", "te"]
     moe_block_rows: int
+    moe_ep_comm: Literal["auto", "allgather"]
     routed_score_func: Literal["sigmoid", "softmax"]
     routed_bias: bool
     routed_bias_update_rate: float

@@ -172,7 +172,12 @@ def test_load_config_or_exit_returns_the_config_when_valid():
 
 @pytest.mark.parametrize(
     "arg, key",
-    [("num_expert=4", "num_expert"), ("steps=abc", "steps"), ("model_name=deepseek-v3", "model_name")],
+    [
+        ("num_expert=4", "num_expert"),
+        ("steps=abc", "steps"),
+        ("model_name=deepseek-v3", "model_name"),
+        ("moe_matmul=te", "requirements-gpu.txt"),  # Transformer Engine does not import on a CPU install
+    ],
 )
 def test_train_entry_point_exits_2_without_traceback(arg, key, tmp_path):
     result = subprocess.run(

@@ -6,7 +6,8 @@ dispatch too (the blocked backend pads groups to whole blocks in the same gather
 
 - ``blocked``: block-padded groups and a scan of dense matmuls (ours; portable; CPU default).
 - ``ragged_dot``: XLA's grouped matmul over the sorted, unpadded layout (GPU/TPU).
-- ``auto``: ``ragged_dot`` on GPU/TPU, ``blocked`` elsewhere.
+- ``te``: Transformer Engine's grouped GEMM (GPU; imported only when chosen).
+- ``auto``: ``te`` on GPU when it imports, else ``ragged_dot`` on GPU/TPU, else ``blocked``.
 
 ``capacity_factor > 0`` replaces all of them with the token-dropping baseline (``capacity.py``).
 With an expert mesh axis larger than 1, the backend runs per device inside ``shard_map`` on that
@@ -21,7 +22,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from MaxText.config import Config
+from MaxText.config import Config, ConfigError
 from MaxText.moe.blocked import block_matmul
 from MaxText.moe.capacity import capacity_experts
 from MaxText.moe.dispatch import block_layout, from_blocks, to_blocks
@@ -48,15 +49,49 @@ def _ragged_dot(x_TD, experts_TK, active_TK, wi_0, wi_1, wo, config: Config) -> 
     return from_blocks(jax.lax.ragged_dot(jax.nn.silu(gate_PF) * up_PF, wo, sizes_E), layout)
 
 
-BACKENDS: dict[str, RoutedExperts] = {"blocked": _blocked, "ragged_dot": _ragged_dot}
+def _transformer_engine(x_TD, experts_TK, active_TK, wi_0, wi_1, wo, config: Config) -> jax.Array:
+    """TE's grouped GEMM over the sorted layout. TE wants the groups to cover every row, so the
+    layout's trailing zero rows join the last group (zero rows give zero outputs)."""
+    from transformer_engine.jax.dense import grouped_dense
+
+    layout = block_layout(experts_TK, wi_0.shape[0], 1, active_TK)
+    xs_PD = to_blocks(x_TD, layout)
+    sizes_E = layout.sizes_E.at[-1].add(xs_PD.shape[0] - layout.sizes_E.sum())
+    gate_PF = grouped_dense(xs_PD, wi_0, sizes_E)
+    up_PF = grouped_dense(xs_PD, wi_1, sizes_E)
+    return from_blocks(grouped_dense(jax.nn.silu(gate_PF) * up_PF, wo, sizes_E), layout)
+
+
+BACKENDS: dict[str, RoutedExperts] = {"blocked": _blocked, "ragged_dot": _ragged_dot, "te": _transformer_engine}
+
+
+def transformer_engine_error() -> str | None:
+    """Why Transformer Engine's JAX API cannot be used here, or None if it can."""
+    try:
+        import transformer_engine.jax  # noqa: F401
+    except Exception as err:  # ImportError, or a CUDA library missing underneath it
+        return f"{type(err).__name__}: {err}".splitlines()[0]
+    return None
 
 
 def resolve_backend(name: str, platform: str | None = None) -> str:
-    """``auto`` becomes the best backend for the platform (default: JAX's current backend)."""
+    """``auto`` becomes the best backend for the platform (default: JAX's current backend):
+    Transformer Engine on GPU when it imports, else ``ragged_dot`` on GPU/TPU, else ``blocked``."""
     if name != "auto":
         return name
     platform = platform or jax.default_backend()
-    return "ragged_dot" if platform in ("gpu", "cuda", "rocm", "tpu") else "blocked"
+    if platform in ("gpu", "cuda"):
+        return "te" if transformer_engine_error() is None else "ragged_dot"
+    return "ragged_dot" if platform in ("rocm", "tpu") else "blocked"
+
+
+def check_backend(config: Config, platform: str) -> None:
+    """Fail early, with what to install, when the chosen backend cannot run here."""
+    if resolve_backend(config.moe_matmul, platform) == "te" and (reason := transformer_engine_error()):
+        raise ConfigError(
+            f"config key 'moe_matmul': 'te' needs Transformer Engine for JAX, which does not import here ({reason}); "
+            "install requirements-gpu.txt in a CUDA image (docker/Dockerfile.gpu) or choose blocked/ragged_dot"
+        )
 
 
 def routed_experts(

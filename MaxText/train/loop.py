@@ -16,6 +16,7 @@ from MaxText.config import Config, config_to_yaml
 from MaxText.data.source import make_data_source
 from MaxText.models.accounting import train_flops_per_token
 from MaxText.models.deepseek import DeepSeekV3
+from MaxText.moe.experts import check_backend
 from MaxText.parallel.mesh import make_mesh
 from MaxText.parallel.sharding import axis_rules, batch_sharding, put_global_batch
 from MaxText.train.metrics import MetricsWriter, peak_tflops, throughput
@@ -53,6 +54,7 @@ def train(config: Config) -> RunResult:
         (output_dir / "config.yml").write_text(config_to_yaml(config, topology))
 
     # ---- mesh, model, optimizer, state ----
+    check_backend(config, topology["platform"])
     mesh = make_mesh(config)
     model = DeepSeekV3(config)
     optimizer = make_optimizer(config)
