@@ -1,10 +1,10 @@
 """The routed experts behind one function: dispatch, grouped SwiGLU matmuls, weighted combine.
 
-Backends are chosen by ``moe_matmul`` and share one signature; the seam is the whole routed-expert
-computation rather than a single grouped matmul because a backend's best layout decides the
-dispatch too (the blocked backend pads groups to whole blocks in the same gather that sorts).
+A backend is a grouped matmul over the dispatch layout, chosen by ``moe_matmul``; the layout
+(sorted, or padded to whole blocks for ``blocked``) is built once per block by the same gather
+that sorts, and the SwiGLU runs in it.
 
-- ``blocked``: block-padded groups and a scan of dense matmuls (ours; portable; CPU default).
+- ``blocked``: block-padded groups and a loop of dense matmuls (ours; portable; CPU default).
 - ``ragged_dot``: XLA's grouped matmul over the sorted, unpadded layout (GPU/TPU).
 - ``te``: Transformer Engine's grouped GEMM (GPU; imported only when chosen).
 - ``auto``: ``te`` on GPU when it imports, else ``ragged_dot`` on GPU/TPU, else ``blocked``.
@@ -18,6 +18,7 @@ P padded rows.
 """
 
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -25,44 +26,42 @@ import jax.numpy as jnp
 from MaxText.config import Config, ConfigError
 from MaxText.moe.blocked import block_matmul
 from MaxText.moe.capacity import capacity_experts
-from MaxText.moe.dispatch import block_layout, from_blocks, to_blocks
+from MaxText.moe.dispatch import BlockLayout, block_layout, from_blocks, to_blocks
 from MaxText.moe.expert_parallel import allgather_experts, expert_axis
 
-RoutedExperts = Callable[..., jax.Array]
+# A grouped matmul: rows of the layout times their expert's weight, [P, I] x [E, I, O] -> [P, O].
+GroupedMatmul = Callable[[jax.Array, jax.Array, BlockLayout], jax.Array]
 
 
-def _blocked(x_TD, experts_TK, active_TK, wi_0, wi_1, wo, config: Config) -> jax.Array:
-    layout = block_layout(experts_TK, wi_0.shape[0], config.moe_block_rows, active_TK)
-    xp_PD = to_blocks(x_TD, layout)
-    blocks = (layout.expert_NB, layout.used_blocks)
-    gate_PF = block_matmul(xp_PD, wi_0, *blocks)
-    up_PF = block_matmul(xp_PD, wi_1, *blocks)
-    return from_blocks(block_matmul(jax.nn.silu(gate_PF) * up_PF, wo, *blocks), layout)
+def _blocked(x_PI: jax.Array, w_EIO: jax.Array, layout: BlockLayout) -> jax.Array:
+    return block_matmul(x_PI, w_EIO, layout.expert_NB, layout.used_blocks)
 
 
-def _ragged_dot(x_TD, experts_TK, active_TK, wi_0, wi_1, wo, config: Config) -> jax.Array:
-    layout = block_layout(experts_TK, wi_0.shape[0], 1, active_TK)  # sorted, no padding
-    xs_PD = to_blocks(x_TD, layout)
-    sizes_E = layout.sizes_E
-    gate_PF = jax.lax.ragged_dot(xs_PD, wi_0, sizes_E)
-    up_PF = jax.lax.ragged_dot(xs_PD, wi_1, sizes_E)
-    return from_blocks(jax.lax.ragged_dot(jax.nn.silu(gate_PF) * up_PF, wo, sizes_E), layout)
+def _ragged_dot(x_PI: jax.Array, w_EIO: jax.Array, layout: BlockLayout) -> jax.Array:
+    return jax.lax.ragged_dot(x_PI, w_EIO, layout.sizes_E)
 
 
-def _transformer_engine(x_TD, experts_TK, active_TK, wi_0, wi_1, wo, config: Config) -> jax.Array:
-    """TE's grouped GEMM over the sorted layout. TE wants the groups to cover every row, so the
-    layout's trailing zero rows join the last group (zero rows give zero outputs)."""
+def _transformer_engine(x_PI: jax.Array, w_EIO: jax.Array, layout: BlockLayout) -> jax.Array:
+    """TE wants the groups to cover every row: the layout's trailing zero rows join the last group
+    (zero rows give zero outputs)."""
     from transformer_engine.jax.dense import grouped_dense
 
-    layout = block_layout(experts_TK, wi_0.shape[0], 1, active_TK)
-    xs_PD = to_blocks(x_TD, layout)
-    sizes_E = layout.sizes_E.at[-1].add(xs_PD.shape[0] - layout.sizes_E.sum())
-    gate_PF = grouped_dense(xs_PD, wi_0, sizes_E)
-    up_PF = grouped_dense(xs_PD, wi_1, sizes_E)
-    return from_blocks(grouped_dense(jax.nn.silu(gate_PF) * up_PF, wo, sizes_E), layout)
+    return grouped_dense(x_PI, w_EIO, layout.sizes_E.at[-1].add(x_PI.shape[0] - layout.sizes_E.sum()))
 
 
-BACKENDS: dict[str, RoutedExperts] = {"blocked": _blocked, "ragged_dot": _ragged_dot, "te": _transformer_engine}
+BACKENDS: dict[str, GroupedMatmul] = {"blocked": _blocked, "ragged_dot": _ragged_dot, "te": _transformer_engine}
+
+
+def swiglu_experts(x_TD, experts_TK, active_TK, wi_0, wi_1, wo, config: Config, backend: str) -> jax.Array:
+    """Each token's K expert outputs [T, K, D], computed in the backend's layout (``blocked`` pads
+    each expert to whole blocks; the others use the sorted rows unpadded). Copies whose
+    ``active_TK`` is false (None: all active) get zero outputs and cost nothing."""
+    block_rows = config.moe_block_rows if backend == "blocked" else 1
+    layout = block_layout(experts_TK, wi_0.shape[0], block_rows, active_TK)
+    matmul = BACKENDS[backend]
+    xp_PD = to_blocks(x_TD, layout)
+    h_PF = jax.nn.silu(matmul(xp_PD, wi_0, layout)) * matmul(xp_PD, wi_1, layout)
+    return from_blocks(matmul(h_PF, wo, layout), layout)
 
 
 def transformer_engine_error() -> str | None:
@@ -109,9 +108,9 @@ def routed_experts(
     if config.capacity_factor > 0:
         y_TKD = capacity_experts(x_TD, experts_TK, wi_0, wi_1, wo, config.capacity_factor)
         return jnp.einsum("tkd,tk->td", y_TKD, weights_TK.astype(y_TKD.dtype))
-    backend = BACKENDS[resolve_backend(config.moe_matmul)]
+    local_experts = partial(swiglu_experts, backend=resolve_backend(config.moe_matmul))
     axis = expert_axis()
     if axis is not None:
-        return allgather_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, backend, axis)
-    y_TKD = backend(x_TD, experts_TK, None, wi_0, wi_1, wo, config)
+        return allgather_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis)
+    y_TKD = local_experts(x_TD, experts_TK, None, wi_0, wi_1, wo, config)
     return jnp.einsum("tkd,tk->td", y_TKD, weights_TK.astype(y_TKD.dtype))

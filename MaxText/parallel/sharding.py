@@ -37,14 +37,17 @@ def check_splits(boxed_tree: Any, axis_sizes: dict[str, int], config: Config) ->
     does not fit (JAX would refuse it later, with a less helpful message). Needs only the mesh's
     axis sizes, so a cluster layout can be checked without its devices."""
     rules = axis_rules(config)
-    values = jax.tree_util.tree_flatten_with_path(nn.unbox(boxed_tree))[0]
-    specs = jax.tree.leaves(nn.get_partition_spec(boxed_tree), is_leaf=lambda x: isinstance(x, PartitionSpec))
-    for (path, value), logical in zip(values, specs, strict=True):
-        for dim, axes in zip(value.shape, nn.logical_to_mesh_axes(logical, rules), strict=False):
+    boxes = jax.tree_util.tree_flatten_with_path(boxed_tree, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))[
+        0
+    ]
+    for path, box in boxes:
+        if not isinstance(box, nn.LogicallyPartitioned):
+            continue
+        for dim, axes in zip(box.value.shape, nn.logical_to_mesh_axes(box.names, rules), strict=False):
             ways = math.prod(axis_sizes[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
             if dim % ways:
                 raise ConfigError(
-                    f"config key 'logical_axis_rules': {jax.tree_util.keystr(path)} {tuple(value.shape)} "
+                    f"config key 'logical_axis_rules': {jax.tree_util.keystr(path)} {tuple(box.value.shape)} "
                     f"cannot be split {ways} ways over {axes} (dim {dim}); change the mesh or the rules"
                 )
 
