@@ -18,6 +18,8 @@ $(STAMP): requirements.txt requirements-test.txt
 train: venv
 	$(PY) -m MaxText.train $(ARGS)
 
+# Two workers (one per core here); a test file stays on one worker so its shared runs happen once.
+PYTEST_ARGS ?= -n 2 --dist loadfile
 test: venv
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 

@@ -16,11 +16,11 @@ from tests.conftest import make_config
 PROBES = [
     (("token_embedding",), (3, 5)),
     (("dense_layers", "layers", "attention", "wq_b"), (0, 7, 1, 20)),
-    (("moe_layers", "layers", "attention", "wkv_a"), (1, 10, 35)),
+    (("moe_layers", "layers", "attention", "wkv_a"), (0, 10, 35)),
     (("moe_layers", "layers", "moe", "wi_0"), (0, "busiest", 11, 4)),
-    (("moe_layers", "layers", "moe", "router"), (1, 9, 3)),
+    (("moe_layers", "layers", "moe", "router"), (0, 9, 3)),
     (("moe_layers", "layers", "moe", "shared_experts", "wo"), (0, 5, 17)),
-    (("moe_layers", "layers", "pre_ffn_norm", "scale"), (1, 6)),
+    (("moe_layers", "layers", "pre_ffn_norm", "scale"), (0, 6)),
     (("mtp_1", "projection"), (100, 3)),
     (("output_head",), (12, 40)),
 ]
@@ -63,7 +63,11 @@ def test_gradient_matches_finite_differences(probe, gradient_setup):
 def gradient_setup():
     with jax.enable_x64(True):
         config = make_config(
-            "dtype=float64", "weight_dtype=float64", "max_target_length=12", "load_balance_loss_weight=0.01"
+            "dtype=float64",
+            "weight_dtype=float64",
+            "max_target_length=12",
+            "load_balance_loss_weight=0.01",
+            "base_num_decoder_layers=2",  # one dense and one MoE layer (plus the MTP module's MoE layer)
         )
         model = DeepSeekV3(config)
         rng = np.random.default_rng(0)
