@@ -38,11 +38,11 @@ def capacity_experts(x_TD, experts_TK, wi_0, wi_1, wo, capacity_factor: float) -
     T, K = experts_TK.shape
     E = wi_0.shape[0]
     C = capacity(T, K, E, capacity_factor)
-    keep_TK = _positions(experts_TK, E) < C
-    # One-hot of (expert, slot in its queue) per copy; dropped copies are all-zero rows.
+    position_TK = _positions(experts_TK, E)
+    # One-hot of (expert, slot in its queue) per copy; dropped copies (position >= C) are all-zero rows.
     dispatch_TKEC = (
         jax.nn.one_hot(experts_TK, E, dtype=x_TD.dtype)[..., None]
-        * jax.nn.one_hot(jnp.where(keep_TK, _positions(experts_TK, E), C), C, dtype=x_TD.dtype)[..., None, :]
+        * jax.nn.one_hot(jnp.where(position_TK < C, position_TK, C), C, dtype=x_TD.dtype)[..., None, :]
     )
     x_ECD = jnp.einsum("tkec,td->ecd", dispatch_TKEC, x_TD)
     h_ECF = jax.nn.silu(jnp.einsum("ecd,edf->ecf", x_ECD, wi_0)) * jnp.einsum("ecd,edf->ecf", x_ECD, wi_1)

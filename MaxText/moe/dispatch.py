@@ -114,3 +114,8 @@ def to_blocks(x_TD: jax.Array, layout: BlockLayout) -> jax.Array:
 def from_blocks(yp_PD: jax.Array, layout: BlockLayout) -> jax.Array:
     """[P, D] padded rows -> [T, K, D] each token's K expert outputs."""
     return _gather_from_blocks(yp_PD, layout.copy_P, layout.valid_P, layout.row_TK)
+
+
+def combine(y_TKD: jax.Array, weights_TK: jax.Array) -> jax.Array:
+    """Each token's K expert outputs summed with its router weights: [T, K, D] -> [T, D]."""
+    return jnp.einsum("tkd,tk->td", y_TKD, weights_TK.astype(y_TKD.dtype))

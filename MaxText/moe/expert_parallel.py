@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from MaxText.config import Config
+from MaxText.moe.dispatch import combine
 
 
 def expert_axis() -> str | None:
@@ -63,7 +64,7 @@ def allgather_experts(
         local_TK = experts_TK - jax.lax.axis_index(axis) * E_local
         active_TK = (local_TK >= 0) & (local_TK < E_local)
         y_TKD = local_experts(x_TD, jnp.where(active_TK, local_TK, 0), active_TK, wi_0, wi_1, wo, config)
-        y_TD = jnp.einsum("tkd,tk->td", y_TKD, jnp.where(active_TK, weights_TK, 0).astype(y_TKD.dtype))
+        y_TD = combine(y_TKD, jnp.where(active_TK, weights_TK, 0))
         if tokens_split_over_axis:
             return jax.lax.psum_scatter(y_TD, axis, tiled=True)
         return jax.lax.psum(y_TD, axis)

@@ -21,12 +21,11 @@ from collections.abc import Callable
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 
 from MaxText.config import Config, ConfigError
 from MaxText.moe.blocked import block_matmul
 from MaxText.moe.capacity import capacity_experts
-from MaxText.moe.dispatch import BlockLayout, block_layout, from_blocks, to_blocks
+from MaxText.moe.dispatch import BlockLayout, block_layout, combine, from_blocks, to_blocks
 from MaxText.moe.expert_parallel import allgather_experts, expert_axis
 
 # A grouped matmul: rows of the layout times their expert's weight, [P, I] x [E, I, O] -> [P, O].
@@ -106,11 +105,9 @@ def routed_experts(
 
     Dropless unless ``capacity_factor > 0`` asks for the token-dropping baseline."""
     if config.capacity_factor > 0:
-        y_TKD = capacity_experts(x_TD, experts_TK, wi_0, wi_1, wo, config.capacity_factor)
-        return jnp.einsum("tkd,tk->td", y_TKD, weights_TK.astype(y_TKD.dtype))
+        return combine(capacity_experts(x_TD, experts_TK, wi_0, wi_1, wo, config.capacity_factor), weights_TK)
     local_experts = partial(swiglu_experts, backend=resolve_backend(config.moe_matmul))
     axis = expert_axis()
     if axis is not None:
         return allgather_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis)
-    y_TKD = local_experts(x_TD, experts_TK, None, wi_0, wi_1, wo, config)
-    return jnp.einsum("tkd,tk->td", y_TKD, weights_TK.astype(y_TKD.dtype))
+    return combine(local_experts(x_TD, experts_TK, None, wi_0, wi_1, wo, config), weights_TK)

@@ -59,9 +59,10 @@ def train(config: Config) -> RunResult:
     model = DeepSeekV3(config)
     optimizer = make_optimizer(config)
     state, state_shardings = create_train_state(model, config, optimizer, mesh)
+    batch_shards = batch_sharding(mesh, config)
     step_fn = jax.jit(
         make_train_step(model, config, optimizer),
-        in_shardings=(state_shardings, batch_sharding(mesh, config)),
+        in_shardings=(state_shardings, batch_shards),
         out_shardings=(state_shardings, None),
         donate_argnums=(0,),
     )
@@ -82,7 +83,7 @@ def train(config: Config) -> RunResult:
     progress = tqdm(range(1, config.steps + 1), desc="train", unit="step", disable=not is_writer, dynamic_ncols=True)
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)):
         for step in progress:
-            batch = put_global_batch(next(data), batch_sharding(mesh, config))
+            batch = put_global_batch(next(data), batch_shards)
             state, metrics = step_fn(state, batch)
             window_steps += 1
             if step == 1 or step % config.log_period == 0 or step == config.steps:

@@ -84,6 +84,7 @@ def train_step(
     if config.routed_bias and config.routed_bias_update_rate > 0:
         moe_bias = update_correction_bias(moe_bias, parts.expert_load, config.routed_bias_update_rate)
 
+    load_ratios = load_max_over_mean_per_router(parts.expert_load)
     metrics = {
         "loss": parts.loss,
         "lm_loss": parts.lm_loss,
@@ -91,8 +92,8 @@ def train_step(
         "aux_loss": parts.aux_loss,
         "grad_norm": optax.global_norm(grads),
         "learning_rate": learning_rate_schedule(config)(state.step),
-        "expert_load_max_over_mean": load_max_over_mean_per_router(parts.expert_load).mean(),
-        "expert_load_max_over_mean_per_layer": load_max_over_mean_per_router(parts.expert_load),
+        "expert_load_max_over_mean": load_ratios.mean(),
+        "expert_load_max_over_mean_per_layer": load_ratios,
         "dropped_tokens": parts.dropped_tokens,
     }
     return TrainState(state.step + 1, params, moe_bias, opt_state), metrics
