@@ -104,6 +104,7 @@ class Config(BaseModel):
     capacity_factor: float
     moe_matmul: Literal["auto", "blocked", "ragged_dot", "te"]
     moe_block_rows: int
+    moe_min_block_rows: int
     moe_ep_comm: Literal["auto", "allgather"]
     routed_score_func: Literal["sigmoid", "softmax"]
     routed_bias: bool
@@ -229,7 +230,13 @@ def check_rules(c: Config) -> None:
         f"must be -1 (dropless) or > 0 (token-dropping baseline), got {c.capacity_factor}",
     )
     _require(c.mtp_num_layers >= 0, "mtp_num_layers", "must be >= 0")
-    _require(c.moe_block_rows >= 1, "moe_block_rows", "must be >= 1")
+    _require(c.moe_min_block_rows >= 1, "moe_min_block_rows", "must be >= 1")
+    halvings = c.moe_block_rows // c.moe_min_block_rows
+    _require(
+        halvings >= 1 and c.moe_block_rows % c.moe_min_block_rows == 0 and halvings & (halvings - 1) == 0,
+        "moe_block_rows",
+        f"must be moe_min_block_rows ({c.moe_min_block_rows}) times a power of two, got {c.moe_block_rows}",
+    )
     for kind, values in (("ici", c.ici_parallelism()), ("dcn", c.dcn_parallelism())):
         for axis, value in zip(MESH_AXES, values, strict=True):
             _require(value >= 1 or value == -1, f"{kind}_{axis}_parallelism", f"must be >= 1 or -1 (fill), got {value}")

@@ -129,6 +129,8 @@ BAD_INPUTS = {
     "fill in both ici and dcn": (["ici_fsdp_parallelism=-1", "dcn_data_parallelism=-1"], ["dcn_", "ici_"]),
     "capacity factor neither -1 nor positive": (["capacity_factor=0"], ["capacity_factor"]),
     "block rows": (["moe_block_rows=0"], ["moe_block_rows"]),
+    "block levels": (["moe_block_rows=48", "moe_min_block_rows=8"], ["moe_block_rows", "power of two"]),
+    "min block rows": (["moe_min_block_rows=0"], ["moe_min_block_rows"]),
 }
 
 

@@ -43,7 +43,7 @@ def routing_bias(kind: str, num_experts: int) -> np.ndarray:
 @functools.cache
 def compiled(backend: str):
     """(config, params, one-device step, expert-parallel step), compiled once per backend."""
-    config = make_config(f"moe_matmul={backend}", "moe_block_rows=8", *MESH)
+    config = make_config(f"moe_matmul={backend}", "moe_block_rows=8", "moe_min_block_rows=2", *MESH)
     fn = partial(block_and_grads, config)
     mesh = make_mesh(config, jax.devices())
     params, jitted = random_params(config), jax.jit(fn)

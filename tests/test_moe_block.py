@@ -131,8 +131,8 @@ def routing_bias(kind, E):
 # Every routed-expert backend that runs on CPU; block sizes that do and do not divide the groups.
 BACKENDS = [
     ("moe_matmul=ragged_dot",),
-    ("moe_matmul=blocked", "moe_block_rows=8"),
-    ("moe_matmul=blocked", "moe_block_rows=5"),
+    ("moe_matmul=blocked", "moe_block_rows=8", "moe_min_block_rows=2"),  # blocks of 8, 4 and 2 rows
+    ("moe_matmul=blocked", "moe_block_rows=20", "moe_min_block_rows=5"),  # 20, 10, 5: not powers of two
 ]
 
 

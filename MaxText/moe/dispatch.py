@@ -1,16 +1,16 @@
 """Dropless dispatch: every (token, expert) copy gets a row, grouped by expert; none is dropped.
 
 The layout sorts the T*K copies by expert and pads each expert's rows to a multiple of
-``block_rows`` B, so that the rows form blocks that each belong to one expert (the ``blocked``
-backend runs one dense matmul per block). With B = 1 there is no padding: rows [0, M) are the
-copies sorted by expert, as ``ragged_dot`` wants them (the last E rows are unused).
+``row_multiple`` (the ``blocked`` backend's smallest block; 1 for ``ragged_dot`` and ``te``, which
+take the sorted rows unpadded). Expert e's rows are ``[start_E[e], start_E[e] + sizes_E[e])``; the
+rest of its ``padded_E[e]`` rows and every row past the last expert are zero.
 
 Moving tokens into the layout and expert outputs back out are gathers, and each one's VJP is the
 other kind of gather (no scatter-add of activations): a token's gradient is the sum of its K
 copies' gradients, read through ``row_TK``.
 
 Shape legend: T tokens, K experts per token (top-k), E experts, M = T*K routed rows,
-NB blocks of B rows, P = NB*B padded rows, D feature dim.
+P padded rows, D feature dim.
 """
 
 from typing import NamedTuple
@@ -24,48 +24,48 @@ class BlockLayout(NamedTuple):
     valid_P: jax.Array  # padded row holds a real (token, expert) copy
     row_TK: jax.Array  # (token, slot k) -> its padded row (an always-zero row for inactive copies)
     copy_P: jax.Array  # padded row -> its (token, slot) copy, flattened as token * K + k (0 for padding)
-    expert_NB: jax.Array  # block -> its expert
-    used_blocks: jax.Array  # blocks [0, used_blocks) hold rows; the rest are padding
     sizes_E: jax.Array  # active copies per expert
+    start_E: jax.Array  # each expert's first padded row
+    padded_E: jax.Array  # rows each expert occupies: its size rounded up to the row multiple
 
 
-def num_blocks(num_rows: int, num_experts: int, block_rows: int) -> int:
-    """Static upper bound on the blocks any routing needs, plus one block that always stays
-    empty: sum_e ceil(n_e / B) <= M // B + E."""
-    return num_rows // block_rows + num_experts + 1
+def num_padded_rows(num_rows: int, num_experts: int, row_multiple: int) -> int:
+    """Static number of rows that holds any routing: each expert pads fewer than ``row_multiple``
+    rows, plus one row that always stays zero (where inactive copies point)."""
+    used = num_rows + num_experts * (row_multiple - 1)
+    return (used // row_multiple + 1) * row_multiple
 
 
 def block_layout(
-    experts_TK: jax.Array, num_experts: int, block_rows: int, active_TK: jax.Array | None = None
+    experts_TK: jax.Array, num_experts: int, row_multiple: int, active_TK: jax.Array | None = None
 ) -> BlockLayout:
     """The padded layout of every copy whose ``active_TK`` is true (all by default). Inactive
     copies (for example, routed to another device's experts) get no row: they read an
     always-zero row and contribute nothing."""
     T, K = experts_TK.shape
-    M, B = T * K, block_rows
-    NB = num_blocks(M, num_experts, B)
+    M, m = T * K, row_multiple
+    P = num_padded_rows(M, num_experts, m)
     active_M = jnp.ones((M,), bool) if active_TK is None else active_TK.reshape(M)
     flat_M = jnp.where(active_M, experts_TK.reshape(M), num_experts)  # inactive copies sort last
     order_M = jnp.argsort(flat_M, stable=True)  # sorted position -> (token, slot) copy
     sizes_E = jnp.zeros((num_experts + 1,), jnp.int32).at[flat_M].add(1)[:num_experts]
-    blocks_E = (sizes_E + B - 1) // B
-    block_end_E = jnp.cumsum(blocks_E)
-    block_start_E = block_end_E - blocks_E
-    row_start_E = jnp.cumsum(sizes_E) - sizes_E  # first sorted position of each expert
+    padded_E = (sizes_E + m - 1) // m * m
+    end_E = jnp.cumsum(padded_E)
+    start_E = end_E - padded_E
+    sorted_start_E = jnp.cumsum(sizes_E) - sizes_E  # first sorted position of each expert
 
-    expert_NB = jnp.minimum(jnp.searchsorted(block_end_E, jnp.arange(NB), side="right"), num_experts - 1)
-    p_P = jnp.arange(NB * B)
-    expert_P = expert_NB[p_P // B]
-    offset_P = p_P - block_start_E[expert_P] * B
-    valid_P = (p_P // B < block_end_E[-1]) & (offset_P < sizes_E[expert_P])
-    sorted_P = jnp.where(valid_P, row_start_E[expert_P] + offset_P, 0)
+    p_P = jnp.arange(P)
+    expert_P = jnp.minimum(jnp.searchsorted(end_E, p_P, side="right"), num_experts - 1)
+    offset_P = p_P - start_E[expert_P]
+    valid_P = (p_P < end_E[-1]) & (offset_P < sizes_E[expert_P])
+    sorted_P = jnp.where(valid_P, sorted_start_E[expert_P] + offset_P, 0)
     copy_P = jnp.where(valid_P, order_M[sorted_P], 0)
 
     # The padded row of each copy: its expert's first padded row + its rank within the expert.
     rank_M = jnp.zeros((M,), jnp.int32).at[order_M].set(jnp.arange(M, dtype=jnp.int32))
     expert_M = jnp.minimum(flat_M, num_experts - 1)
-    row_M = jnp.where(active_M, block_start_E[expert_M] * B + rank_M - row_start_E[expert_M], NB * B - 1)
-    return BlockLayout(copy_P // K, valid_P, row_M.reshape(T, K), copy_P, expert_NB, block_end_E[-1], sizes_E)
+    row_M = jnp.where(active_M, start_E[expert_M] + rank_M - sorted_start_E[expert_M], P - 1)
+    return BlockLayout(copy_P // K, valid_P, row_M.reshape(T, K), copy_P, sizes_E, start_E, padded_E)
 
 
 # ---- into and out of the padded layout: gathers whose transposes are gathers ----

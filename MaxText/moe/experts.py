@@ -1,10 +1,11 @@
 """The routed experts behind one function: dispatch, grouped SwiGLU matmuls, weighted combine.
 
-A backend is a grouped matmul over the dispatch layout, chosen by ``moe_matmul``; the layout
-(sorted, or padded to whole blocks for ``blocked``) is built once per block by the same gather
-that sorts, and the SwiGLU runs in it.
+A backend runs the experts' SwiGLU MLPs over the dispatch layout, chosen by ``moe_matmul``; the
+layout (sorted, or padded to whole blocks for ``blocked``) is built once per block by the same
+gather that sorts. Backends built on a grouped matmul compose three of them; ``blocked`` fuses the
+whole SwiGLU into one loop over blocks.
 
-- ``blocked``: block-padded groups and a loop of dense matmuls (ours; portable; CPU default).
+- ``blocked``: block-padded groups and one loop of dense per-block SwiGLUs (ours; portable; CPU default).
 - ``ragged_dot``: XLA's grouped matmul over the sorted, unpadded layout (GPU/TPU).
 - ``te``: Transformer Engine's grouped GEMM (GPU; imported only when chosen).
 - ``auto``: ``te`` on GPU when it imports, else ``ragged_dot`` on GPU/TPU, else ``blocked``.
@@ -23,17 +24,30 @@ from functools import partial
 import jax
 
 from MaxText.config import Config, ConfigError
-from MaxText.moe.blocked import block_matmul
+from MaxText.moe.blocked import blocked_swiglu, expert_blocks, level_rows
 from MaxText.moe.capacity import capacity_experts
 from MaxText.moe.dispatch import BlockLayout, block_layout, combine, from_blocks, to_blocks
 from MaxText.moe.expert_parallel import allgather_experts, expert_axis
 
 # A grouped matmul: rows of the layout times their expert's weight, [P, I] x [E, I, O] -> [P, O].
 GroupedMatmul = Callable[[jax.Array, jax.Array, BlockLayout], jax.Array]
+# A backend: rows of the layout through their expert's SwiGLU, [P, D] x (wi_0, wi_1, wo) -> [P, D].
+ExpertsBackend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, BlockLayout, Config], jax.Array]
 
 
-def _blocked(x_PI: jax.Array, w_EIO: jax.Array, layout: BlockLayout) -> jax.Array:
-    return block_matmul(x_PI, w_EIO, layout.expert_NB, layout.used_blocks)
+def _blocked(xp_PD, wi_0, wi_1, wo, layout: BlockLayout, config: Config) -> jax.Array:
+    rows = level_rows(config.moe_block_rows, config.moe_min_block_rows)
+    blocks = expert_blocks(layout.start_E, layout.padded_E, rows, xp_PD.shape[0])
+    return blocked_swiglu(rows, xp_PD, wi_0, wi_1, wo, blocks)
+
+
+def _swiglu_of(matmul: GroupedMatmul) -> ExpertsBackend:
+    """The SwiGLU as three grouped matmuls over the unpadded sorted rows."""
+
+    def swiglu(xp_PD, wi_0, wi_1, wo, layout, config):
+        return matmul(jax.nn.silu(matmul(xp_PD, wi_0, layout)) * matmul(xp_PD, wi_1, layout), wo, layout)
+
+    return swiglu
 
 
 def _ragged_dot(x_PI: jax.Array, w_EIO: jax.Array, layout: BlockLayout) -> jax.Array:
@@ -48,19 +62,24 @@ def _transformer_engine(x_PI: jax.Array, w_EIO: jax.Array, layout: BlockLayout) 
     return grouped_dense(x_PI, w_EIO, layout.sizes_E.at[-1].add(x_PI.shape[0] - layout.sizes_E.sum()))
 
 
-BACKENDS: dict[str, GroupedMatmul] = {"blocked": _blocked, "ragged_dot": _ragged_dot, "te": _transformer_engine}
+BACKENDS: dict[str, ExpertsBackend] = {
+    "blocked": _blocked,
+    "ragged_dot": _swiglu_of(_ragged_dot),
+    "te": _swiglu_of(_transformer_engine),
+}
 
 
 def swiglu_experts(x_TD, experts_TK, active_TK, wi_0, wi_1, wo, config: Config, backend: str) -> jax.Array:
     """Each token's K expert outputs [T, K, D], computed in the backend's layout (``blocked`` pads
-    each expert to whole blocks; the others use the sorted rows unpadded). Copies whose
+    each expert to its smallest block; the others use the sorted rows unpadded). Copies whose
     ``active_TK`` is false (None: all active) get zero outputs and cost nothing."""
-    block_rows = config.moe_block_rows if backend == "blocked" else 1
-    layout = block_layout(experts_TK, wi_0.shape[0], block_rows, active_TK)
-    matmul = BACKENDS[backend]
-    xp_PD = to_blocks(x_TD, layout)
-    h_PF = jax.nn.silu(matmul(xp_PD, wi_0, layout)) * matmul(xp_PD, wi_1, layout)
-    return from_blocks(matmul(h_PF, wo, layout), layout)
+    layout = block_layout(experts_TK, wi_0.shape[0], row_multiple(backend, config), active_TK)
+    return from_blocks(BACKENDS[backend](to_blocks(x_TD, layout), wi_0, wi_1, wo, layout, config), layout)
+
+
+def row_multiple(backend: str, config: Config) -> int:
+    """What the backend's layout pads each expert's rows to a multiple of."""
+    return config.moe_min_block_rows if backend == "blocked" else 1
 
 
 def transformer_engine_error() -> str | None:
