@@ -105,7 +105,7 @@ class Config(BaseModel):
     moe_matmul: Literal["auto", "blocked", "ragged_dot", "te"]
     moe_block_rows: int
     moe_min_block_rows: int
-    moe_ep_comm: Literal["auto", "allgather"]
+    moe_ep_comm: Literal["auto", "allgather", "all_to_all", "ragged_all_to_all", "te"]
     routed_score_func: Literal["sigmoid", "softmax"]
     routed_bias: bool
     routed_bias_update_rate: float

@@ -236,3 +236,33 @@ def test_capacity_baseline_drops_exactly_the_overflow():
     shared = params["shared_experts"]
     y_ref += (jax.nn.silu(x_TD @ shared["wi_0"]) * (x_TD @ shared["wi_1"])) @ shared["wo"]
     np.testing.assert_allclose(np.asarray(y).reshape(T, -1), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["blocked", "ragged_dot"])
+def test_backends_on_rows_already_grouped_by_expert(backend):
+    """The received-rows layout of moe_ep_comm=te: rows sorted by expert, each group padded with
+    zero rows to a multiple of the alignment, known only by its group sizes. Every row must come
+    out as its expert's SwiGLU, padding rows as zero, with the blocked backend's blocks of 8/4/2."""
+    from MaxText.moe.experts import BACKENDS
+    from MaxText.moe.te_exchange import group_layout
+
+    cfg = make_config("moe_block_rows=8", "moe_min_block_rows=2")
+    E, D, F, align = 4, 6, 5, 4
+    rng = np.random.default_rng(0)
+    w0, w1 = (jnp.asarray(rng.standard_normal((E, D, F)), jnp.float32) for _ in range(2))
+    wo = jnp.asarray(rng.standard_normal((E, F, D)), jnp.float32)
+    sizes = [5, 0, 11, 2]  # real rows per expert; groups padded to multiples of 4
+    padded = [-(-n // align) * align for n in sizes]
+    expert_of_row = np.repeat(np.arange(E), padded)
+    real = np.concatenate([np.arange(p) < n for n, p in zip(sizes, padded, strict=True)])
+    x = jnp.asarray(rng.standard_normal((sum(padded) + 3, D)) * np.append(real, [0, 0, 0])[:, None], jnp.float32)
+
+    y = BACKENDS[backend](x, w0, w1, wo, group_layout(jnp.asarray(padded, jnp.int32)), cfg)
+
+    for r in range(x.shape[0]):
+        if r < len(real) and real[r]:
+            e = expert_of_row[r]
+            expected = (jax.nn.silu(x[r] @ w0[e]) * (x[r] @ w1[e])) @ wo[e]
+            np.testing.assert_allclose(np.asarray(y[r]), np.asarray(expected), rtol=1e-5, atol=1e-5)
+        else:
+            assert not np.any(np.asarray(y[r])), f"padding row {r} must stay zero"

@@ -68,52 +68,59 @@ def block_layout(
     return BlockLayout(copy_P // K, valid_P, row_M.reshape(T, K), copy_P, sizes_E, start_E, padded_E)
 
 
-# ---- into and out of the padded layout: gathers whose transposes are gathers ----
+# ---- into and out of a row layout: gathers whose transposes are gathers ----
+#
+# A row layout is described by index arrays: ``token_P`` (row -> its token), ``valid_P`` (row holds
+# a copy), ``copy_P`` (row -> its copy, flattened as token * K + k) and ``row_TK`` (copy -> its row;
+# inactive copies point at a row that is always zero). The dispatch layout above is one; the
+# expert-parallel send buffers (a token's K "copies" being its destination devices) are another.
 
 
 @jax.custom_vjp
-def _gather_into_blocks(x_TD: jax.Array, token_P: jax.Array, valid_P: jax.Array, row_TK: jax.Array) -> jax.Array:
+def gather_rows(x_TD: jax.Array, token_P: jax.Array, valid_P: jax.Array, row_TK: jax.Array) -> jax.Array:
+    """[T, D] tokens -> [P, D] rows (zero where not valid)."""
     return jnp.where(valid_P[:, None], x_TD[token_P], 0)
 
 
-def _gather_into_blocks_fwd(x_TD, token_P, valid_P, row_TK):
-    return _gather_into_blocks(x_TD, token_P, valid_P, row_TK), (token_P, valid_P, row_TK)
+def _gather_rows_fwd(x_TD, token_P, valid_P, row_TK):
+    return gather_rows(x_TD, token_P, valid_P, row_TK), (token_P, valid_P, row_TK)
 
 
-def _gather_into_blocks_bwd(residuals, dxp_PD):
+def _gather_rows_bwd(residuals, dxp_PD):
     token_P, valid_P, row_TK = residuals
     return dxp_PD[row_TK].sum(axis=1), None, None, None  # sum over each token's K copies
 
 
-_gather_into_blocks.defvjp(_gather_into_blocks_fwd, _gather_into_blocks_bwd)
+gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
 @jax.custom_vjp
-def _gather_from_blocks(yp_PD: jax.Array, copy_P: jax.Array, valid_P: jax.Array, row_TK: jax.Array) -> jax.Array:
+def gather_copies(yp_PD: jax.Array, copy_P: jax.Array, valid_P: jax.Array, row_TK: jax.Array) -> jax.Array:
+    """[P, D] rows -> [T, K, D] each token's K copies (zero for inactive copies)."""
     return yp_PD[row_TK]
 
 
-def _gather_from_blocks_fwd(yp_PD, copy_P, valid_P, row_TK):
-    return _gather_from_blocks(yp_PD, copy_P, valid_P, row_TK), (copy_P, valid_P, row_TK)
+def _gather_copies_fwd(yp_PD, copy_P, valid_P, row_TK):
+    return gather_copies(yp_PD, copy_P, valid_P, row_TK), (copy_P, valid_P, row_TK)
 
 
-def _gather_from_blocks_bwd(residuals, dy_TKD):
+def _gather_copies_bwd(residuals, dy_TKD):
     copy_P, valid_P, row_TK = residuals
     T, K, D = dy_TKD.shape
     return jnp.where(valid_P[:, None], dy_TKD.reshape(T * K, D)[copy_P], 0), None, None, None
 
 
-_gather_from_blocks.defvjp(_gather_from_blocks_fwd, _gather_from_blocks_bwd)
+gather_copies.defvjp(_gather_copies_fwd, _gather_copies_bwd)
 
 
 def to_blocks(x_TD: jax.Array, layout: BlockLayout) -> jax.Array:
     """[T, D] tokens -> [P, D] padded rows (each token appears once per chosen expert)."""
-    return _gather_into_blocks(x_TD, layout.token_P, layout.valid_P, layout.row_TK)
+    return gather_rows(x_TD, layout.token_P, layout.valid_P, layout.row_TK)
 
 
 def from_blocks(yp_PD: jax.Array, layout: BlockLayout) -> jax.Array:
     """[P, D] padded rows -> [T, K, D] each token's K expert outputs."""
-    return _gather_from_blocks(yp_PD, layout.copy_P, layout.valid_P, layout.row_TK)
+    return gather_copies(yp_PD, layout.copy_P, layout.valid_P, layout.row_TK)
 
 
 def combine(y_TKD: jax.Array, weights_TK: jax.Array) -> jax.Array:

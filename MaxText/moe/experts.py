@@ -27,7 +27,8 @@ from MaxText.config import Config, ConfigError
 from MaxText.moe.blocked import blocked_swiglu, expert_blocks, level_rows
 from MaxText.moe.capacity import capacity_experts
 from MaxText.moe.dispatch import BlockLayout, block_layout, combine, from_blocks, to_blocks
-from MaxText.moe.expert_parallel import allgather_experts, expert_axis
+from MaxText.moe.expert_parallel import expert_axis, expert_parallel_experts
+from MaxText.moe.te_exchange import ALIGN_ROWS
 
 # A grouped matmul: rows of the layout times their expert's weight, [P, I] x [E, I, O] -> [P, O].
 GroupedMatmul = Callable[[jax.Array, jax.Array, BlockLayout], jax.Array]
@@ -102,12 +103,43 @@ def resolve_backend(name: str, platform: str | None = None) -> str:
     return "ragged_dot" if platform in ("rocm", "tpu") else "blocked"
 
 
+def resolve_exchange(name: str, platform: str | None = None) -> str:
+    """``auto`` becomes the best expert-parallel exchange for the platform: Transformer Engine's
+    NCCL EP on GPU when it imports, else exact-size ``ragged_all_to_all`` on GPU/TPU, else
+    ``allgather``."""
+    if name != "auto":
+        return name
+    platform = platform or jax.default_backend()
+    if platform in ("gpu", "cuda"):
+        return "te" if transformer_engine_error() is None else "ragged_all_to_all"
+    return "ragged_all_to_all" if platform in ("rocm", "tpu") else "allgather"
+
+
 def check_backend(config: Config, platform: str) -> None:
-    """Fail early, with what to install, when the chosen backend cannot run here."""
+    """Fail early, saying what to install or choose instead, when the chosen backend or
+    expert-parallel exchange cannot run here."""
     if resolve_backend(config.moe_matmul, platform) == "te" and (reason := transformer_engine_error()):
         raise ConfigError(
             f"config key 'moe_matmul': 'te' needs Transformer Engine for JAX, which does not import here ({reason}); "
             "install requirements-gpu.txt in a CUDA image (docker/Dockerfile.gpu) or choose blocked/ragged_dot"
+        )
+    exchange = resolve_exchange(config.moe_ep_comm, platform)
+    if exchange == "ragged_all_to_all" and platform == "cpu":
+        raise ConfigError(
+            "config key 'moe_ep_comm': ragged_all_to_all runs on GPU/TPU only (XLA:CPU does not implement "
+            "ragged-all-to-all); choose all_to_all or allgather on CPU"
+        )
+    if exchange == "te" and (reason := transformer_engine_error()):
+        raise ConfigError(
+            f"config key 'moe_ep_comm': 'te' needs Transformer Engine for JAX with NCCL EP, which does not import "
+            f"here ({reason}); install requirements-gpu.txt in a CUDA image (docker/Dockerfile.gpu) or choose "
+            "ragged_all_to_all/all_to_all/allgather"
+        )
+    blocked = resolve_backend(config.moe_matmul, platform) == "blocked"
+    if exchange == "te" and blocked and ALIGN_ROWS % config.moe_min_block_rows:
+        raise ConfigError(
+            f"config key 'moe_min_block_rows': must divide {ALIGN_ROWS} (moe_ep_comm=te pads each expert's "
+            f"received rows to a multiple of it), got {config.moe_min_block_rows}"
         )
 
 
@@ -125,8 +157,15 @@ def routed_experts(
     Dropless unless ``capacity_factor > 0`` asks for the token-dropping baseline."""
     if config.capacity_factor > 0:
         return combine(capacity_experts(x_TD, experts_TK, wi_0, wi_1, wo, config.capacity_factor), weights_TK)
-    local_experts = partial(swiglu_experts, backend=resolve_backend(config.moe_matmul))
+    backend = resolve_backend(config.moe_matmul)
+    local_experts = partial(swiglu_experts, backend=backend)
     axis = expert_axis()
-    if axis is not None:
-        return allgather_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis)
-    return combine(local_experts(x_TD, experts_TK, None, wi_0, wi_1, wo, config), weights_TK)
+    if axis is None:
+        return combine(local_experts(x_TD, experts_TK, None, wi_0, wi_1, wo, config), weights_TK)
+    exchange = resolve_exchange(config.moe_ep_comm)
+    if exchange == "te":
+        from MaxText.moe.te_exchange import te_experts
+
+        return te_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, BACKENDS[backend], axis)
+    args = (x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis)
+    return expert_parallel_experts(*args, exchange)
