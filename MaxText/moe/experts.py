@@ -18,6 +18,7 @@ Shape legend: T tokens, K experts per token, E experts, D model dim, F expert hi
 P padded rows.
 """
 
+import contextlib
 from collections.abc import Callable
 from functools import partial
 
@@ -141,6 +142,18 @@ def check_backend(config: Config, platform: str) -> None:
             f"config key 'moe_min_block_rows': must divide {ALIGN_ROWS} (moe_ep_comm=te pads each expert's "
             f"received rows to a multiple of it), got {config.moe_min_block_rows}"
         )
+
+
+def moe_context(config: Config, mesh: jax.sharding.Mesh, tokens_per_device: int) -> contextlib.AbstractContextManager:
+    """What the training loop must run inside for the chosen exchange: Transformer Engine's NCCL EP
+    is bootstrapped once, eagerly, for the mesh; every other exchange needs nothing. Enter it
+    inside the mesh and the logical axis rules."""
+    axis = expert_axis()
+    if axis is None or config.capacity_factor > 0 or resolve_exchange(config.moe_ep_comm) != "te":
+        return contextlib.nullcontext()
+    from MaxText.moe.te_exchange import ep_context
+
+    return ep_context(config, mesh, tokens_per_device, axis)
 
 
 def routed_experts(
