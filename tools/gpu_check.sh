@@ -2,7 +2,7 @@
 # One prepared GPU check, for a bare single-GPU machine with JAX (CUDA) preinstalled; under 8 minutes.
 #   1. installs what the CPU requirements add on top of JAX, from ./wheels if present (offline), else the index;
 #   2. times one MoE layer in bfloat16: the dropless backends against the dense ceiling and the capacity baseline;
-#   3. trains the tiny model for 60 steps on the GPU.
+#   3. trains the tiny model for 60 steps on the GPU (synthetic data: no dataset packages needed).
 # Figures go to stdout and, as files, to $OUT (default: outputs/gpu-check).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,5 +39,6 @@ for c in r['cases']:
 "
 
 echo "== deepseek3-tiny, 60 steps"
-timeout 240 $PY -m MaxText.train run_name=gpu-check-tiny base_output_directory="$OUT" enable_tensorboard=false
+timeout 240 $PY -m MaxText.train run_name=gpu-check-tiny base_output_directory="$OUT" enable_tensorboard=false \
+  dataset_type=synthetic
 tail -n 1 "$OUT/gpu-check-tiny/metrics.jsonl"
