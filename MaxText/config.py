@@ -53,6 +53,12 @@ class Config(BaseModel):
     log_period: int
     seed: int
     enable_tensorboard: bool
+    # checkpoints
+    enable_checkpointing: bool
+    checkpoint_period: int
+    max_num_checkpoints_to_keep: int
+    async_checkpointing: bool
+    load_parameters_path: str
     # batch
     per_device_batch_size: int
     max_target_length: int
@@ -260,6 +266,12 @@ def check_rules(c: Config) -> None:
             "logical_axis_rules",
             f"rule '{name}' names unknown mesh axes {unknown}; known: {list(MESH_AXES)}",
         )
+    _require(c.checkpoint_period >= 1, "checkpoint_period", f"must be >= 1, got {c.checkpoint_period}")
+    _require(
+        c.max_num_checkpoints_to_keep >= 1 or c.max_num_checkpoints_to_keep == -1,
+        "max_num_checkpoints_to_keep",
+        f"must be >= 1 or -1 (keep all), got {c.max_num_checkpoints_to_keep}",
+    )
 
 
 # ---------------------------------------------------------------- loading

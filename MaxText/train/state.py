@@ -5,6 +5,7 @@ logical axes, so no device ever holds the full model; the abstract shapes come f
 ``jax.eval_shape`` first.
 """
 
+from functools import partial
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -44,25 +45,48 @@ def _init_variables(model: DeepSeekV3, config: Config, rng: jax.Array) -> dict[s
     return {"params": variables["params"], BIAS: variables.get(BIAS, {})}
 
 
+def _state_shardings(model: DeepSeekV3, config: Config, optimizer: optax.GradientTransformation, mesh: Mesh):
+    """A NamedSharding per train-state leaf, from shapes alone (call under the mesh and rules)."""
+    boxed = jax.eval_shape(lambda r: _init_variables(model, config, r), jax.random.key(config.seed))
+    var_shardings = logical_to_shardings(boxed, mesh, config)
+    opt_shardings = optax.tree_utils.tree_map_params(
+        optimizer,
+        lambda _, sharding: sharding,
+        jax.eval_shape(optimizer.init, _shapes(boxed["params"])),
+        var_shardings["params"],
+        transform_non_params=lambda _: replicated(mesh),
+    )
+    return TrainState(replicated(mesh), var_shardings["params"], var_shardings[BIAS], opt_shardings)
+
+
+def _shapes(boxed_tree: Any) -> Any:
+    """The shapes inside logical-axis boxes (``nn.unbox`` would apply sharding constraints, which
+    abstract shapes under a mesh cannot take)."""
+    is_box = lambda x: isinstance(x, nn.Partitioned)  # noqa: E731
+    return jax.tree.map(lambda x: x.value if is_box(x) else x, boxed_tree, is_leaf=is_box)
+
+
+def _new_state(model: DeepSeekV3, config: Config, optimizer: optax.GradientTransformation, rng: jax.Array):
+    variables = nn.unbox(_init_variables(model, config, rng))
+    params = variables["params"]
+    return TrainState(jnp.zeros((), jnp.int32), params, variables[BIAS], optimizer.init(params))
+
+
 def create_train_state(
     model: DeepSeekV3, config: Config, optimizer: optax.GradientTransformation, mesh: Mesh
 ) -> StateSetup:
-    rng = jax.random.key(config.seed)
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)):
-        boxed = jax.eval_shape(lambda r: _init_variables(model, config, r), rng)
-        var_shardings = logical_to_shardings(boxed, mesh, config)
-        variables = jax.jit(lambda r: nn.unbox(_init_variables(model, config, r)), out_shardings=var_shardings)(rng)
+        shardings = _state_shardings(model, config, optimizer, mesh)
+        new_state = jax.jit(partial(_new_state, model, config, optimizer), out_shardings=shardings)
+        state = new_state(jax.random.key(config.seed))
+    return StateSetup(state, shardings)
 
-        abstract_opt = jax.eval_shape(optimizer.init, variables["params"])
-        opt_shardings = optax.tree_utils.tree_map_params(
-            optimizer,
-            lambda _, sharding: sharding,
-            abstract_opt,
-            var_shardings["params"],
-            transform_non_params=lambda _: replicated(mesh),
-        )
-        opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(variables["params"])
 
-    state = TrainState(jnp.zeros((), jnp.int32), variables["params"], variables[BIAS], opt_state)
-    shardings = TrainState(replicated(mesh), var_shardings["params"], var_shardings[BIAS], opt_shardings)
-    return StateSetup(jax.device_put(state, shardings), shardings)
+def abstract_train_state(
+    model: DeepSeekV3, config: Config, optimizer: optax.GradientTransformation, mesh: Mesh
+) -> TrainState:
+    """The train state as shapes, dtypes and shardings, nothing allocated: what a restore fills."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)):
+        shardings = _state_shardings(model, config, optimizer, mesh)
+        shapes = jax.eval_shape(partial(_new_state, model, config, optimizer), jax.random.key(config.seed))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)

@@ -1,0 +1,153 @@
+"""Orbax checkpoints of a run: async saves, restore of the newest good one, resharding, warm start.
+
+Layout: ``<base_output_directory>/<run_name>/checkpoints/<step>/`` with three items:
+``state`` (step, parameters, MoE correction biases, optimizer state), ``data`` (the data
+iterator's state, JSON) and ``config`` (the resolved config, JSON). Orbax writes each step into a
+temporary directory and renames it when complete, so a save killed midway leaves no step behind
+to restore; a step that fails to read (truncated or corrupted files) is reported with its path and
+the previous one is used.
+
+Restores go straight into the target shardings of the current mesh (Orbax reads each shard's
+slice), so a checkpoint saved on one mesh restores onto another. The run's parameters are
+checked against the checkpoint's shapes first; a mismatch names the first differing parameter.
+
+Extension point: emergency (local, in-memory or node-local disk) checkpoints would be another
+implementation of ``save``/``restore_latest`` chosen by a config key; only the persistent one
+exists today.
+"""
+
+import sys
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import orbax.checkpoint as ocp
+
+from MaxText.config import Config
+
+
+class CheckpointError(Exception):
+    """A checkpoint that must not be used: the message says which and why (exit code 2)."""
+
+
+class Restored(NamedTuple):
+    step: int
+    state: Any
+    data_state: dict | None
+    path: Path
+
+
+def _key(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def first_shape_mismatch(stored: Any, target: Any) -> str | None:
+    """The first leaf (by path) missing from ``stored`` or with another shape, described; None if all match."""
+    stored_leaves = {_key(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(stored)[0]}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
+        name = _key(path)
+        if name not in stored_leaves:
+            return f"{name} is missing from the checkpoint"
+        stored_shape = tuple(getattr(stored_leaves[name], "shape", ()))
+        if stored_shape != tuple(leaf.shape):
+            return f"{name} has shape {stored_shape} in the checkpoint but {tuple(leaf.shape)} in the config"
+    extra = set(stored_leaves) - {_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(target)[0]}
+    return f"{sorted(extra)[0]} is in the checkpoint but not in the model" if extra else None
+
+
+def warn(message: str) -> None:
+    if jax.process_index() == 0:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+class Checkpoints:
+    """The run's checkpoint manager (one per run directory)."""
+
+    def __init__(self, directory: Path, config: Config):
+        self.directory = Path(directory)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None if config.max_num_checkpoints_to_keep == -1 else config.max_num_checkpoints_to_keep,
+            enable_async_checkpointing=config.async_checkpointing,
+            create=True,
+            cleanup_tmp_directories=True,  # leftovers of a save that was killed midway
+        )
+        handlers = {
+            "state": ocp.StandardCheckpointHandler(),
+            "data": ocp.JsonCheckpointHandler(),
+            "config": ocp.JsonCheckpointHandler(),
+        }
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+    def save(self, step: int, state: Any, data_state: dict | None, config: Config) -> None:
+        """Start writing ``step`` (returns before the write finishes when saving asynchronously)."""
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=ocp.args.JsonSave(data_state or {}),
+            config=ocp.args.JsonSave(config.model_dump(mode="json")),
+        )
+        self.manager.save(step, args=args, force=True)
+
+    def wait(self) -> None:
+        """Block until every started save is complete on disk."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def step_path(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    def restore_latest(self, abstract_state: Any) -> Restored | None:
+        """The newest checkpoint that reads back, restored into ``abstract_state``'s shardings;
+        None when there is none. Unreadable steps are skipped with a warning naming them; a step
+        whose shapes differ from the model raises ``CheckpointError``."""
+        for step in reversed(self.steps()):
+            path = self.step_path(step)
+            try:
+                stored = self.manager.item_metadata(step)["state"]
+            except Exception as err:  # unreadable metadata: a damaged step
+                warn(f"checkpoint {path} is unreadable ({type(err).__name__}); using the previous one")
+                continue
+            if stored is not None and (mismatch := first_shape_mismatch(stored, abstract_state)):
+                raise CheckpointError(f"checkpoint {path} does not match the config: {mismatch}")
+            try:
+                restored = self.manager.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()
+                    ),
+                )
+            except Exception as err:
+                reason = (str(err).strip().splitlines() or [type(err).__name__])[0].split(". See full")[0]
+                warn(f"checkpoint {path} is unreadable ({reason[:200]}); using the previous one")
+                continue
+            return Restored(step, restored["state"], restored["data"] or None, path)
+        return None
+
+
+def load_parameters(path: str, abstract_params: Any) -> Any:
+    """Parameters only, into the given shardings, from a checkpoint step directory
+    (``.../checkpoints/<step>``), its ``state`` item, or a checkpoint of a parameters tree (such
+    as a converted one)."""
+    root = Path(path)
+    item = root / "state" if (root / "state").is_dir() else root
+    if not item.is_dir():
+        raise CheckpointError(f"config key 'load_parameters_path': {path} is not a checkpoint directory")
+    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    try:
+        stored = checkpointer.metadata(item).item_metadata.tree
+    except Exception as err:
+        raise CheckpointError(f"config key 'load_parameters_path': cannot read a checkpoint at {item} ({err})") from err
+    nested = isinstance(stored, dict) and "params" in stored  # a whole train state, or parameters alone
+    if mismatch := first_shape_mismatch(stored["params"] if nested else stored, abstract_params):
+        raise CheckpointError(f"checkpoint {item} does not match the config: {mismatch}")
+    target = {"params": abstract_params} if nested else abstract_params
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+    restored = checkpointer.restore(
+        item, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
+    )
+    return restored["params"] if nested else restored

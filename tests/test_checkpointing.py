@@ -1,0 +1,117 @@
+"""Orbax checkpoints of the train state: round trip, resharding, damaged and interrupted saves,
+shape mismatches and warm start, on 8 simulated devices (fsdp 2 x expert 4)."""
+
+import functools
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_config
+
+from MaxText.checkpointing import CheckpointError, Checkpoints, load_parameters
+from MaxText.models.deepseek import DeepSeekV3
+from MaxText.parallel.mesh import make_mesh
+from MaxText.train.optimizer import make_optimizer
+from MaxText.train.state import abstract_train_state, create_train_state
+
+MESH_8 = ("ici_fsdp_parallelism=2", "ici_expert_parallelism=4")
+
+
+@functools.cache
+def setup(*overrides, devices=8):
+    """(config, mesh, train state, abstract state) for a tiny model on the first ``devices`` devices."""
+    config = make_config(*overrides)
+    mesh = make_mesh(config, jax.devices()[:devices])
+    model, optimizer = DeepSeekV3(config), make_optimizer(config)
+    state, _ = create_train_state(model, config, optimizer, mesh)
+    return config, mesh, state, abstract_train_state(model, config, optimizer, mesh)
+
+
+def perturbed(state, step):
+    """A state that differs from ``state`` in every leaf, so a restore from the wrong step shows."""
+    return jax.tree.map(lambda x: x + step if jnp.issubdtype(x.dtype, jnp.floating) else x + step, state)
+
+
+def assert_same(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint directory with steps 1 and 2 saved asynchronously from the 8-device mesh."""
+    config, _, state, _ = setup(*MESH_8)
+    directory = tmp_path_factory.mktemp("run") / "checkpoints"
+    checkpoints = Checkpoints(directory, config)
+    checkpoints.save(1, perturbed(state, 1), {"position": 11}, config)
+    checkpoints.save(2, perturbed(state, 2), {"position": 22}, config)
+    checkpoints.close()
+    return directory, state
+
+
+def copy_of(directory: Path, tmp_path: Path) -> Path:
+    os.system(f"cp -r {directory} {tmp_path / 'copy'}")
+    return tmp_path / "copy"
+
+
+def test_newest_checkpoint_restores_state_data_and_shardings(saved):
+    directory, state = saved
+    config, _, _, abstract = setup(*MESH_8)
+    restored = Checkpoints(directory, config).restore_latest(abstract)
+    assert restored.step == 2 and restored.data_state == {"position": 22}
+    assert_same(restored.state, perturbed(state, 2))
+    for leaf, target in zip(jax.tree.leaves(restored.state), jax.tree.leaves(abstract), strict=True):
+        assert leaf.sharding == target.sharding
+
+
+def test_restore_onto_a_different_mesh(saved):
+    directory, state = saved
+    config, mesh, _, abstract = setup("ici_fsdp_parallelism=4", devices=4)
+    restored = Checkpoints(directory, config).restore_latest(abstract)
+    assert_same(restored.state, perturbed(state, 2))
+    assert {d.id for leaf in jax.tree.leaves(restored.state) for d in leaf.sharding.device_set} == {0, 1, 2, 3}
+    expert_weight = restored.state.params["moe_layers"]["layers"]["moe"]["wi_0"]
+    assert expert_weight.sharding.spec != jax.tree.leaves(abstract)[0].sharding.spec or mesh.shape["fsdp"] == 4
+
+
+def test_truncated_newest_checkpoint_falls_back_to_the_previous_with_a_warning(saved, tmp_path, capsys):
+    directory, state = saved
+    config, _, _, abstract = setup(*MESH_8)
+    damaged = copy_of(directory, tmp_path)
+    files = sorted((p for p in (damaged / "2").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    with open(files[-1], "r+b") as largest:
+        largest.truncate(files[-1].stat().st_size // 2)
+    restored = Checkpoints(damaged, config).restore_latest(abstract)
+    assert restored.step == 1
+    assert_same(restored.state, perturbed(state, 1))
+    assert f"checkpoint {damaged / '2'} is unreadable" in capsys.readouterr().err
+
+
+def test_interrupted_save_is_never_restored(saved, tmp_path):
+    """A save killed midway leaves only Orbax's temporary directory, which is not a step."""
+    directory, _ = saved
+    config, _, _, abstract = setup(*MESH_8)
+    partial = copy_of(directory, tmp_path)
+    os.rename(partial / "2", partial / "3.orbax-checkpoint-tmp-1234")
+    checkpoints = Checkpoints(partial, config)
+    assert checkpoints.steps() == [1]
+    assert checkpoints.restore_latest(abstract).step == 1
+
+
+def test_checkpoint_of_another_shape_is_refused_naming_the_parameter(saved):
+    directory, _ = saved
+    config, _, _, abstract = setup(*MESH_8, "base_moe_mlp_dim=48")
+    with pytest.raises(CheckpointError, match=r"checkpoints/2 does not match the config: params/.*wi_0 has shape"):
+        Checkpoints(directory, config).restore_latest(abstract)
+
+
+def test_warm_start_loads_parameters_only(saved):
+    directory, state = saved
+    _, _, _, abstract = setup(*MESH_8)
+    params = load_parameters(str(directory / "1"), abstract.params)
+    assert_same(params, perturbed(state, 1).params)
+    with pytest.raises(CheckpointError, match="load_parameters_path"):
+        load_parameters(str(directory / "missing"), abstract.params)
