@@ -124,7 +124,26 @@ class Config(BaseModel):
     mtp_num_layers: int
     mtp_loss_scaling_factor: float
     # data
-    dataset_type: Literal["synthetic"]
+    dataset_type: Literal["builtin", "tfds", "synthetic"]
+    dataset_name: str
+    dataset_path: str
+    dataset_text_field: str
+    train_split: str
+    eval_split: str
+    builtin_max_files: int
+    tokenizer_type: Literal["byte", "huggingface", "sentencepiece"]
+    tokenizer_path: str
+    add_bos: bool
+    add_eos: bool
+    packing: bool
+    packing_cross_document_attention: bool
+    enable_data_shuffling: bool
+    shuffle_window_pieces: int
+    grain_worker_count: int
+    grain_read_threads: int
+    grain_per_worker_buffer_size: int
+    eval_interval: int
+    eval_steps: int
     synthetic_vocab_size: int
     synthetic_noise: float
     # parallelism
@@ -199,8 +218,19 @@ def check_rules(c: Config) -> None:
         "learning_rate_schedule_steps",
         "must be >= 1 or -1 (= steps)",
     )
-    _require(c.vocab_size >= c.synthetic_vocab_size, "synthetic_vocab_size", "must not exceed vocab_size")
+    if c.dataset_type == "synthetic":  # other types check vocab_size against their tokenizer
+        _require(c.vocab_size >= c.synthetic_vocab_size, "synthetic_vocab_size", "must not exceed vocab_size")
     _require(0 <= c.synthetic_noise <= 1, "synthetic_noise", "must be a probability in [0, 1]")
+    for key in (
+        "builtin_max_files",
+        "shuffle_window_pieces",
+        "grain_worker_count",
+        "grain_read_threads",
+        "eval_interval",
+    ):
+        _require(getattr(c, key) >= 0, key, f"must be >= 0, got {getattr(c, key)}")
+    for key in ("grain_per_worker_buffer_size", "eval_steps"):
+        _require(getattr(c, key) >= 1, key, f"must be >= 1, got {getattr(c, key)}")
     _require(
         0 <= c.first_num_dense_layers <= c.base_num_decoder_layers,
         "first_num_dense_layers",
@@ -236,6 +266,12 @@ def check_rules(c: Config) -> None:
         f"must be -1 (dropless) or > 0 (token-dropping baseline), got {c.capacity_factor}",
     )
     _require(c.mtp_num_layers >= 0, "mtp_num_layers", "must be >= 0")
+    _require(c.checkpoint_period >= 1, "checkpoint_period", f"must be >= 1, got {c.checkpoint_period}")
+    _require(
+        c.max_num_checkpoints_to_keep >= 1 or c.max_num_checkpoints_to_keep == -1,
+        "max_num_checkpoints_to_keep",
+        f"must be >= 1 or -1 (keep all), got {c.max_num_checkpoints_to_keep}",
+    )
     _require(c.moe_min_block_rows >= 1, "moe_min_block_rows", "must be >= 1")
     halvings = c.moe_block_rows // c.moe_min_block_rows
     _require(
@@ -266,12 +302,6 @@ def check_rules(c: Config) -> None:
             "logical_axis_rules",
             f"rule '{name}' names unknown mesh axes {unknown}; known: {list(MESH_AXES)}",
         )
-    _require(c.checkpoint_period >= 1, "checkpoint_period", f"must be >= 1, got {c.checkpoint_period}")
-    _require(
-        c.max_num_checkpoints_to_keep >= 1 or c.max_num_checkpoints_to_keep == -1,
-        "max_num_checkpoints_to_keep",
-        f"must be >= 1 or -1 (keep all), got {c.max_num_checkpoints_to_keep}",
-    )
 
 
 # ---------------------------------------------------------------- loading

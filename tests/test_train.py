@@ -32,7 +32,16 @@ def launch(output: Path, devices: int, *args: str, env: dict | None = None) -> s
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
         **(env or {}),
     }
-    command = [sys.executable, "-m", "MaxText.train", f"base_output_directory={output}", "dtype=float32", *args]
+    # Synthetic data: batch n depends only on (seed, n), so runs over any device or process layout compare exactly.
+    command = [
+        sys.executable,
+        "-m",
+        "MaxText.train",
+        f"base_output_directory={output}",
+        "dtype=float32",
+        "dataset_type=synthetic",
+        *args,
+    ]
     return subprocess.Popen(
         command, cwd=REPO, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

@@ -52,3 +52,9 @@ class SyntheticSource:
             "inputs_segmentation": ones,
             "targets_segmentation": ones.copy(),
         }
+
+    def get_state(self) -> dict:
+        return {"step": self.step}
+
+    def set_state(self, state: dict) -> None:
+        self.step = int(state["step"])

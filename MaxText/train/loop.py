@@ -1,7 +1,9 @@
 """The training loop, in named steps: devices, mesh, model, optimizer, state, data, loop, outputs.
 
 Only process 0 writes files. Metrics are fetched from the device every ``log_period`` steps
-(and at the last step), so the loop never waits on the device in between.
+(and at the last step), so the loop never waits on the device in between. Every
+``eval_interval`` steps the same ``eval_steps`` batches of the held-out split give ``eval_loss``
+(the main head's cross-entropy, averaged over tokens), logged on that step's metrics line.
 """
 
 import time
@@ -13,7 +15,7 @@ import jax
 from tqdm import tqdm
 
 from MaxText.config import Config, config_to_yaml
-from MaxText.data.source import make_data_source
+from MaxText.data.source import DataSource, make_data_source, make_eval_source
 from MaxText.models.accounting import train_flops_per_token
 from MaxText.models.deepseek import DeepSeekV3
 from MaxText.moe.experts import check_backend
@@ -22,7 +24,7 @@ from MaxText.parallel.sharding import axis_rules, batch_sharding, put_global_bat
 from MaxText.train.metrics import MetricsWriter, peak_tflops, throughput
 from MaxText.train.optimizer import make_optimizer
 from MaxText.train.state import create_train_state
-from MaxText.train.step import make_train_step
+from MaxText.train.step import make_eval_step, make_train_step
 
 
 @dataclass
@@ -43,6 +45,16 @@ def runtime_topology(config: Config) -> dict:
     }
 
 
+def evaluate(eval_fn, state, source: DataSource, start: dict, steps: int, sharding) -> float:
+    """Token-averaged cross-entropy over ``steps`` batches read from ``start`` (the same batches each time)."""
+    source.set_state(start)
+    total, tokens = 0.0, 0
+    for _ in range(steps):
+        out = jax.device_get(eval_fn(state, put_global_batch(next(source), sharding)))
+        total, tokens = total + float(out["lm_loss_sum"]), tokens + int(out["tokens"])
+    return total / max(tokens, 1)
+
+
 def train(config: Config) -> RunResult:
     # ---- devices and config resolution ----
     config = config.with_platform(jax.devices()[0].platform)
@@ -53,9 +65,15 @@ def train(config: Config) -> RunResult:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yml").write_text(config_to_yaml(config, topology))
 
-    # ---- mesh, model, optimizer, state ----
+    # ---- mesh and data (first, so that a bad layout or dataset stops the run before anything is compiled) ----
     check_backend(config, topology["platform"])
     mesh = make_mesh(config)
+    num_devices = topology["num_devices"]
+    global_batch = config.global_batch_size(num_devices)
+    data = make_data_source(config, global_batch, jax.process_index(), jax.process_count())
+    eval_data = make_eval_source(config, global_batch, jax.process_index(), jax.process_count())
+
+    # ---- model, optimizer, state ----
     model = DeepSeekV3(config)
     optimizer = make_optimizer(config)
     state, state_shardings = create_train_state(model, config, optimizer, mesh)
@@ -67,10 +85,10 @@ def train(config: Config) -> RunResult:
         donate_argnums=(0,),
     )
 
-    # ---- data ----
-    num_devices = topology["num_devices"]
-    global_batch = config.global_batch_size(num_devices)
-    data = iter(make_data_source(config, global_batch, jax.process_index(), jax.process_count()))
+    # ---- evaluation and accounting ----
+    if eval_data is not None:
+        eval_start = eval_data.get_state()
+        eval_fn = jax.jit(make_eval_step(model, config), in_shardings=(state_shardings, batch_shards))
     tokens_per_step = global_batch * config.max_target_length
     flops_per_token = train_flops_per_token(config)
     peak = peak_tflops(topology["device_kind"], config.dtype)
@@ -86,7 +104,8 @@ def train(config: Config) -> RunResult:
             batch = put_global_batch(next(data), batch_shards)
             state, metrics = step_fn(state, batch)
             window_steps += 1
-            if step == 1 or step % config.log_period == 0 or step == config.steps:
+            eval_now = eval_data is not None and step % config.eval_interval == 0
+            if step == 1 or step % config.log_period == 0 or step == config.steps or eval_now:
                 metrics = {k: v.tolist() for k, v in jax.device_get(metrics).items()}
                 now = time.perf_counter()
                 step_time = (now - window_start) / window_steps
@@ -96,10 +115,18 @@ def train(config: Config) -> RunResult:
                     **metrics,
                     **throughput(tokens_per_step, step_time, flops_per_token, num_devices, peak),
                 }
+                if eval_now:
+                    record["eval_loss"] = evaluate(
+                        eval_fn, state, eval_data, eval_start, config.eval_steps, batch_shards
+                    )
+                    window_start = time.perf_counter()  # evaluation time is not training time
                 losses[step] = metrics["loss"]
                 progress.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 if writer:
                     writer.write(record)
+    for source in (data, eval_data):
+        if hasattr(source, "close"):
+            source.close()
     plot = writer.close() if writer else None
     if is_writer:
         print(

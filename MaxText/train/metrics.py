@@ -102,6 +102,9 @@ def plot_losses(records: list[dict[str, Any]], path: Path) -> Path:
     for key in ("loss", "lm_loss", "mtp_loss"):
         if any(r.get(key) for r in records):
             ax.plot(steps, [r[key] for r in records], label=key, marker="o" if len(steps) < 30 else None)
+    evals = [r for r in records if r.get("eval_loss") is not None]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], label="eval_loss", marker="s")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats)")
     ax.set_title(path.parent.name)

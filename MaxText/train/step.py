@@ -101,3 +101,15 @@ def train_step(
 
 def make_train_step(model: DeepSeekV3, config: Config, optimizer: optax.GradientTransformation) -> Callable:
     return partial(train_step, model, config, optimizer)
+
+
+def eval_step(model: DeepSeekV3, config: Config, state: TrainState, batch: dict[str, jax.Array]) -> Metrics:
+    """The main head's cross-entropy on one batch, with its token count so that the loop can
+    average several batches by tokens (the MTP and balance terms are training aids, not reported)."""
+    parts = compute_loss(model, config, state.params, state.moe_bias, batch)
+    tokens = (batch["targets_segmentation"] != 0).sum()
+    return {"lm_loss_sum": parts.lm_loss * tokens, "tokens": tokens}
+
+
+def make_eval_step(model: DeepSeekV3, config: Config) -> Callable:
+    return partial(eval_step, model, config)
