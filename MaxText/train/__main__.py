@@ -15,11 +15,15 @@ def main(argv: list[str]) -> int:
 
     select_platform(config)
     initialize_distributed(config)
+    from MaxText.checkpointing import CheckpointError
     from MaxText.train.loop import train
 
     try:
         train(config)
-    except ConfigError as err:  # problems only visible with devices present (mesh vs device count, ...)
+    except (
+        ConfigError,
+        CheckpointError,
+    ) as err:  # problems only visible with devices present (mesh vs device count, ...)
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -1,4 +1,9 @@
-"""The training loop, in named steps: devices, mesh, model, optimizer, state, data, loop, outputs.
+"""The training loop, in named steps: devices, mesh, data, model, optimizer, state, loop, outputs.
+
+The state comes from the newest good checkpoint of the run when there is one (the same command
+resumes), else it is created (with ``load_parameters_path``'s parameters for a warm start).
+Checkpoints are saved every ``checkpoint_period`` steps, at the last step, and when SIGTERM or
+SIGINT asks the run to stop, after which the loop waits for the write and returns normally.
 
 Only process 0 writes files. Metrics are fetched from the device every ``log_period`` steps
 (and at the last step), so the loop never waits on the device in between. Every
@@ -14,16 +19,18 @@ import flax.linen as nn
 import jax
 from tqdm import tqdm
 
+from MaxText.checkpointing import Checkpoints, load_parameters
 from MaxText.config import Config, config_to_yaml
 from MaxText.data.source import DataSource, make_data_source, make_eval_source
 from MaxText.models.accounting import train_flops_per_token
 from MaxText.models.deepseek import DeepSeekV3
-from MaxText.moe.experts import check_backend
+from MaxText.moe.experts import check_backend, moe_context
 from MaxText.parallel.mesh import make_mesh
 from MaxText.parallel.sharding import axis_rules, batch_sharding, put_global_batch
 from MaxText.train.metrics import MetricsWriter, peak_tflops, throughput
 from MaxText.train.optimizer import make_optimizer
-from MaxText.train.state import create_train_state
+from MaxText.train.preemption import PreemptionWatch
+from MaxText.train.state import StateSetup, abstract_train_state, create_train_state
 from MaxText.train.step import make_eval_step, make_train_step
 
 
@@ -55,6 +62,30 @@ def evaluate(eval_fn, state, source: DataSource, start: dict, steps: int, shardi
     return total / max(tokens, 1)
 
 
+def log(message: str) -> None:
+    if jax.process_index() == 0:
+        print(message, flush=True)
+
+
+def initial_state(
+    model, config: Config, optimizer, mesh, checkpoints: Checkpoints | None, data
+) -> tuple[StateSetup, int]:
+    """(state and its shardings, steps already done): restored from the newest good checkpoint,
+    which also rewinds the data iterator, or new (warm-started from ``load_parameters_path``)."""
+    abstract = abstract_train_state(model, config, optimizer, mesh)
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract)
+    if checkpoints is not None and (restored := checkpoints.restore_latest(abstract)) is not None:
+        if restored.data_state:
+            data.set_state(restored.data_state)
+        log(f"resuming from {restored.path} (step {restored.step})")
+        return StateSetup(restored.state, shardings), restored.step
+    state, shardings = create_train_state(model, config, optimizer, mesh)
+    if config.load_parameters_path:
+        state = state.replace(params=load_parameters(config.load_parameters_path, abstract.params))
+        log(f"parameters loaded from {config.load_parameters_path}")
+    return StateSetup(state, shardings), 0
+
+
 def train(config: Config) -> RunResult:
     # ---- devices and config resolution ----
     config = config.with_platform(jax.devices()[0].platform)
@@ -73,10 +104,11 @@ def train(config: Config) -> RunResult:
     data = make_data_source(config, global_batch, jax.process_index(), jax.process_count())
     eval_data = make_eval_source(config, global_batch, jax.process_index(), jax.process_count())
 
-    # ---- model, optimizer, state ----
+    # ---- model, optimizer, state (restored when the run has a checkpoint) ----
     model = DeepSeekV3(config)
     optimizer = make_optimizer(config)
-    state, state_shardings = create_train_state(model, config, optimizer, mesh)
+    checkpoints = Checkpoints(output_dir / "checkpoints", config) if config.enable_checkpointing else None
+    (state, state_shardings), done_steps = initial_state(model, config, optimizer, mesh, checkpoints, data)
     batch_shards = batch_sharding(mesh, config)
     step_fn = jax.jit(
         make_train_step(model, config, optimizer),
@@ -98,8 +130,22 @@ def train(config: Config) -> RunResult:
     losses: dict[int, float] = {}
     record: dict = {}
     window_start, window_steps = time.perf_counter(), 0
-    progress = tqdm(range(1, config.steps + 1), desc="train", unit="step", disable=not is_writer, dynamic_ncols=True)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)):
+    progress = tqdm(
+        range(done_steps + 1, config.steps + 1),
+        initial=done_steps,
+        total=config.steps,
+        desc="train",
+        unit="step",
+        disable=not is_writer,
+        dynamic_ncols=True,
+    )
+    tokens_per_device = global_batch * config.max_target_length // num_devices // config.gradient_accumulation_steps
+    with (
+        jax.set_mesh(mesh),
+        nn.logical_axis_rules(axis_rules(config)),
+        moe_context(config, mesh, tokens_per_device),
+        PreemptionWatch() as preemption,
+    ):
         for step in progress:
             batch = put_global_batch(next(data), batch_shards)
             state, metrics = step_fn(state, batch)
@@ -124,6 +170,19 @@ def train(config: Config) -> RunResult:
                 progress.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 if writer:
                     writer.write(record)
+            stop = preemption.should_stop()
+            if checkpoints is not None and (step % config.checkpoint_period == 0 or step == config.steps or stop):
+                checkpoints.save(step, state, data.get_state(), config)
+            if stop:
+                progress.close()
+                if checkpoints is not None:
+                    checkpoints.wait()
+                    log(f"stopped by {preemption.signal_name()} after step {step}; saved {checkpoints.step_path(step)}")
+                else:
+                    log(f"stopped by {preemption.signal_name()} after step {step}; checkpointing is off, nothing saved")
+                break
+    if checkpoints is not None:
+        checkpoints.close()  # waits for the last write
     for source in (data, eval_data):
         if hasattr(source, "close"):
             source.close()
