@@ -96,20 +96,29 @@ def test_output_contract(reference):
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def test_sharded_run_matches_single_device(reference, tmp_path):
-    """fsdp=2 x expert=4 over 8 simulated devices, same global batch."""
+def test_sharded_run_matches_single_device_and_resumes_on_another_mesh(reference, tmp_path):
+    """fsdp=2 x expert=4 over 8 simulated devices, same global batch; then the same run continues
+    from its last checkpoint on 4 devices with fsdp=4 (the checkpoint is resharded on restore)."""
+    common = ("run_name=sharded", SAME_SCHEDULE, "log_period=1")
     records = run(
         tmp_path,
         8,
-        "run_name=sharded",
+        *common,
         f"steps={COMPARE_STEPS}",
-        SAME_SCHEDULE,
-        "log_period=1",
         "per_device_batch_size=1",
         "ici_fsdp_parallelism=2",
         "ici_expert_parallelism=4",
     )
     assert losses(records) == pytest.approx(losses(reference[1]), rel=1e-4)
+
+    more = 2
+    records = run(
+        tmp_path, 4, *common, f"steps={COMPARE_STEPS + more}", "per_device_batch_size=2", "ici_fsdp_parallelism=4"
+    )
+    resumed = records[-more:]
+    assert [r["step"] for r in resumed] == [COMPARE_STEPS + 1, COMPARE_STEPS + 2]
+    expected = [r["loss"] for r in reference[1][COMPARE_STEPS : COMPARE_STEPS + more]]
+    assert [r["loss"] for r in resumed] == pytest.approx(expected, rel=1e-5)
 
 
 def test_gradient_accumulation_matches_one_big_batch(reference, tmp_path):
