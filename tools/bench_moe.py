@@ -461,19 +461,20 @@ def consistency_notes(routing: str, cases: list[dict], losses: dict[str, float],
 
 def render(result: dict[str, Any]) -> str:
     s = result["shape"]
+    width = max([4, *(len(c["impl"]) for c in result["cases"])])
     lines = [
         f"MoE routed part, forward+backward: T {s['tokens']}, D {s['d_model']}, F {s['ffn']}, E {s['experts']}, "
         f"top-{s['top_k']}, {s['dtype']}; {s['useful_gflop']:.1f} useful GFLOP per step",
         f"device {result['device']}; load average {result['load_average']}",
         "",
-        f"{'routing':<11} {'impl':<24} {'time_s':>8} {'x ceiling':>9} {'GFLOP/s':>8} {'dropped':>8} {'peak MB':>8}",
+        f"{'routing':<11} {'impl':<{width}} {'time_s':>8} {'x ceiling':>9} {'GFLOP/s':>8} {'dropped':>8} {'peak MB':>8}",
     ]
     for c in result["cases"]:
         peak = "-" if c["peak_bytes"] is None else f"{c['peak_bytes'] / 1e6:,.0f}"
         dropped = "?" if c["dropped_tokens"] is None else str(c["dropped_tokens"])
         once = "  (1 run)" if c["runs"] == 1 and s["repeats"] > 1 else ""
         lines.append(
-            f"{c['routing']:<11} {c['impl']:<24} {c['time_s']:>8.3f} {c['ceiling_ratio']:>9.2f} "
+            f"{c['routing']:<11} {c['impl']:<{width}} {c['time_s']:>8.3f} {c['ceiling_ratio']:>9.2f} "
             f"{c['gflops']:>8.1f} {dropped:>8} {peak:>8}{once}"
         )
     lines += [f"skipped {k['impl']}: {k['reason']}" for k in result["skipped"]]
