@@ -17,6 +17,7 @@ exists today.
 """
 
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -77,9 +78,20 @@ class Checkpoints:
             "config": ocp.JsonCheckpointHandler(),
         }
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self.in_background = config.async_checkpointing and config.checkpoint_device_copy
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint") if self.in_background else None
+        self.pending: Future | None = None
 
     def save(self, step: int, state: Any, data_state: dict | None, config: Config) -> None:
         """Start writing ``step`` (returns before the write finishes when saving asynchronously)."""
+        if self.in_background:
+            self.wait()  # one save at a time
+            snapshot = jax.tree.map(lambda x: x.copy(), state)  # the step may donate ``state``'s buffers
+            self.pending = self.worker.submit(self._save, step, snapshot, data_state, config)
+        else:
+            self._save(step, state, data_state, config)
+
+    def _save(self, step: int, state: Any, data_state: dict | None, config: Config) -> None:
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=ocp.args.JsonSave(data_state or {}),
@@ -89,10 +101,15 @@ class Checkpoints:
 
     def wait(self) -> None:
         """Block until every started save is complete on disk."""
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
         self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        self.wait()
+        if self.worker is not None:
+            self.worker.shutdown()
         self.manager.close()
 
     def steps(self) -> list[int]:
@@ -129,25 +146,49 @@ class Checkpoints:
         return None
 
 
-def load_parameters(path: str, abstract_params: Any) -> Any:
-    """Parameters only, into the given shardings, from a checkpoint step directory
-    (``.../checkpoints/<step>``), its ``state`` item, or a checkpoint of a parameters tree (such
-    as a converted one)."""
+def _stored_item(path: str) -> tuple[Path, Any]:
+    """(the Orbax item directory, its stored tree metadata) of a warm-start checkpoint."""
     root = Path(path)
     item = root / "state" if (root / "state").is_dir() else root
     if not item.is_dir():
         raise CheckpointError(f"config key 'load_parameters_path': {path} is not a checkpoint directory")
-    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
     try:
-        stored = checkpointer.metadata(item).item_metadata.tree
+        return item, ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(item).item_metadata.tree
     except Exception as err:
         raise CheckpointError(f"config key 'load_parameters_path': cannot read a checkpoint at {item} ({err})") from err
+
+
+def _restore_subtree(item: Path, key: str, abstract: Any) -> Any:
+    restore_args = ocp.checkpoint_utils.construct_restore_args({key: abstract})
+    restored = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(
+        item, args=ocp.args.PyTreeRestore(item={key: abstract}, restore_args=restore_args, partial_restore=True)
+    )
+    return restored[key]
+
+
+def load_parameters(path: str, abstract_params: Any) -> Any:
+    """Parameters only, into the given shardings, from a checkpoint step directory
+    (``.../checkpoints/<step>``), its ``state`` item, or a checkpoint of a parameters tree (such
+    as a converted one)."""
+    item, stored = _stored_item(path)
     nested = isinstance(stored, dict) and "params" in stored  # a whole train state, or parameters alone
     if mismatch := first_shape_mismatch(stored["params"] if nested else stored, abstract_params):
         raise CheckpointError(f"checkpoint {item} does not match the config: {mismatch}")
-    target = {"params": abstract_params} if nested else abstract_params
-    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-    restored = checkpointer.restore(
-        item, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
+    if nested:
+        return _restore_subtree(item, "params", abstract_params)
+    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_params)
+    return checkpointer.restore(
+        item, args=ocp.args.PyTreeRestore(item=abstract_params, restore_args=restore_args, partial_restore=True)
     )
-    return restored["params"] if nested else restored
+
+
+def load_moe_bias(path: str, abstract_bias: Any) -> Any | None:
+    """The MoE correction biases of a warm-start checkpoint (a train state's, or a converted
+    checkpoint's ``moe_bias``), into the given shardings; None when it has none (a parameters tree)."""
+    item, stored = _stored_item(path)
+    if not (isinstance(stored, dict) and "moe_bias" in stored) or not jax.tree.leaves(abstract_bias):
+        return None
+    if mismatch := first_shape_mismatch(stored["moe_bias"], abstract_bias):
+        raise CheckpointError(f"checkpoint {item} does not match the config: moe_bias/{mismatch}")
+    return _restore_subtree(item, "moe_bias", abstract_bias)

@@ -58,6 +58,7 @@ class Config(BaseModel):
     checkpoint_period: int
     max_num_checkpoints_to_keep: int
     async_checkpointing: bool
+    checkpoint_device_copy: bool
     load_parameters_path: str
     # batch
     per_device_batch_size: int

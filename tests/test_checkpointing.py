@@ -115,3 +115,13 @@ def test_warm_start_loads_parameters_only(saved):
     assert_same(params, perturbed(state, 1).params)
     with pytest.raises(CheckpointError, match="load_parameters_path"):
         load_parameters(str(directory / "missing"), abstract.params)
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path):
+    config, _, state, _ = setup(*MESH_8)
+    checkpoints = Checkpoints(tmp_path, config.model_copy(update={"max_num_checkpoints_to_keep": 2}))
+    for step in (1, 2, 3):
+        checkpoints.save(step, state, {}, config)
+    checkpoints.close()
+    assert checkpoints.steps() == [2, 3]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["2", "3"]

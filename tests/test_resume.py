@@ -57,23 +57,13 @@ def uninterrupted(tmp_path_factory, corpus) -> dict[int, float]:
     return losses(output / "straight")
 
 
-def test_killed_run_restarts_from_its_newest_checkpoint_with_identical_losses(uninterrupted, corpus, tmp_path):
-    run_dir = tmp_path / "killed"
-    process = launch(tmp_path, 1, "run_name=killed", *RUN, *corpus)
-    wait_for_step(run_dir, 7, process)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert process.returncode == -signal.SIGKILL
+def test_stopped_then_killed_run_continues_with_identical_losses(uninterrupted, corpus, tmp_path):
+    """One run, three starts of the same command: stopped by SIGTERM (saves, exits 0), resumed and
+    killed by SIGKILL (no warning, perhaps mid-save), resumed again to the end."""
+    run_dir = tmp_path / "interrupted"
+    command = (tmp_path, 1, "run_name=interrupted", *RUN, *corpus)
 
-    log = finish(launch(tmp_path, 1, "run_name=killed", *RUN, *corpus))
-    resumed_at = int(re.search(r"resuming from \S+/checkpoints/(\d+) \(step \d+\)", log).group(1))
-    assert 3 <= resumed_at < STEPS
-    assert losses(run_dir) == uninterrupted
-
-
-def test_sigterm_saves_exits_zero_and_the_same_command_continues(uninterrupted, corpus, tmp_path):
-    run_dir = tmp_path / "stopped"
-    process = launch(tmp_path, 1, "run_name=stopped", *RUN, *corpus)
+    process = launch(*command)
     wait_for_step(run_dir, 2, process)
     process.send_signal(signal.SIGTERM)
     log = finish(process)
@@ -83,6 +73,14 @@ def test_sigterm_saves_exits_zero_and_the_same_command_continues(uninterrupted, 
     assert step < STEPS and Path(stopped.group(2)) == run_dir / "checkpoints" / str(step)
     assert (run_dir / "checkpoints" / str(step) / "state").is_dir()
 
-    log = finish(launch(tmp_path, 1, "run_name=stopped", *RUN, *corpus))
+    process = launch(*command)
+    wait_for_step(run_dir, 8, process)
+    process.send_signal(signal.SIGKILL)
+    log, _ = process.communicate()
+    assert process.returncode == -signal.SIGKILL
     assert f"resuming from {run_dir / 'checkpoints' / str(step)} (step {step})" in log
+
+    log = finish(launch(*command))
+    resumed_at = int(re.search(r"resuming from \S+/checkpoints/(\d+) \(step \d+\)", log).group(1))
+    assert step <= resumed_at < STEPS  # a save the kill interrupted is not used
     assert losses(run_dir) == uninterrupted
