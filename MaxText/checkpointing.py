@@ -65,7 +65,7 @@ class Checkpoints:
     """The run's checkpoint manager (one per run directory)."""
 
     def __init__(self, directory: Path, config: Config):
-        self.directory = Path(directory)
+        self.directory = Path(directory).absolute()  # Orbax takes absolute paths only
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if config.max_num_checkpoints_to_keep == -1 else config.max_num_checkpoints_to_keep,
             enable_async_checkpointing=config.async_checkpointing,
@@ -148,7 +148,7 @@ class Checkpoints:
 
 def _stored_item(path: str) -> tuple[Path, Any]:
     """(the Orbax item directory, its stored tree metadata) of a warm-start checkpoint."""
-    root = Path(path)
+    root = Path(path).absolute()
     item = root / "state" if (root / "state").is_dir() else root
     if not item.is_dir():
         raise CheckpointError(f"config key 'load_parameters_path': {path} is not a checkpoint directory")

@@ -125,3 +125,15 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path):
     checkpoints.close()
     assert checkpoints.steps() == [2, 3]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["2", "3"]
+
+
+def test_relative_output_directory(tmp_path, monkeypatch):
+    """base_output_directory is relative by default ("outputs"); Orbax wants absolute paths."""
+    config, _, state, abstract = setup(*MESH_8)
+    monkeypatch.chdir(tmp_path)
+    checkpoints = Checkpoints(Path("outputs/run/checkpoints"), config)
+    checkpoints.save(5, state, {}, config)
+    checkpoints.close()
+    assert (tmp_path / "outputs/run/checkpoints/5/state").is_dir()
+    assert Checkpoints(Path("outputs/run/checkpoints"), config).restore_latest(abstract).step == 5
+    assert jax.tree.leaves(load_parameters("outputs/run/checkpoints/5", abstract.params))
