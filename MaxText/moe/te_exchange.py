@@ -97,17 +97,22 @@ def te_experts(
     cfg = ep.EpLayerConfig(top_k=K, dispatch_output_per_expert_alignment=ALIGN_ROWS)
     ep_size = jax.sharding.get_abstract_mesh().shape[axis]
     capacity = recv_capacity(config, T // jax.sharding.get_abstract_mesh().size, ep_size)
+    # TE wants the token dim split over (outer axes..., ep) exactly, with ep innermost.
+    rows_spec = P((*[a for a in _token_axes() if a != axis], axis))
+    x_TD, experts_TK, weights_TK = (
+        jax.lax.with_sharding_constraint(a, P(rows_spec[0], None)) for a in (x_TD, experts_TK, weights_TK)
+    )
     recv_x, recv_w, handle, group_sizes, _ = ep.ep_dispatch(
         cfg, experts_TK.astype(jnp.int32), x_TD.astype(jnp.bfloat16), weights_TK.astype(jnp.float32), capacity
     )
 
-    rows_spec = P((*[a for a in _token_axes() if a != axis], axis))
     expert_spec = P(axis, None, None)
 
     def per_device(recv_x, recv_w, group_sizes, wi_0, wi_1, wo):
         x_RD = recv_x.reshape(-1, D)
         y_RD = backend(x_RD, wi_0, wi_1, wo, group_layout(group_sizes.reshape(-1).astype(jnp.int32)), config)
-        return (y_RD * recv_w.reshape(-1, 1).astype(y_RD.dtype)).reshape(recv_x.shape)
+        weighted = y_RD * recv_w.reshape(-1, 1).astype(y_RD.dtype)
+        return weighted.astype(jnp.bfloat16).reshape(recv_x.shape)  # NCCL EP moves bfloat16 tokens
 
     y = jax.shard_map(
         per_device,
