@@ -35,7 +35,7 @@ from MaxText.parallel.mesh import make_mesh  # noqa: E402
 from MaxText.parallel.sharding import axis_rules, batch_sharding, put_global_batch  # noqa: E402
 from MaxText.train.optimizer import make_optimizer  # noqa: E402
 from MaxText.train.state import create_train_state  # noqa: E402
-from MaxText.train.step import make_train_step  # noqa: E402
+from MaxText.train.step import jit_train_step  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -56,12 +56,7 @@ def main(argv: list[str]) -> int:
     model, optimizer = DeepSeekV3(config), make_optimizer(config)
     state, shardings = create_train_state(model, config, optimizer, mesh)
     batches = batch_sharding(mesh, config)
-    step_fn = jax.jit(
-        make_train_step(model, config, optimizer),
-        in_shardings=(shardings, batches),
-        out_shardings=(shardings, None),
-        donate_argnums=(0,),
-    )
+    step_fn = jit_train_step(model, config, optimizer, shardings, batches)
     data = make_data_source(config, config.global_batch_size(len(jax.devices())), 0, 1)
     times: dict[str, list[float]] = {"step alone": [], "step during async save": [], "step during sync save": []}
 

@@ -31,7 +31,7 @@ from MaxText.train.metrics import MetricsWriter, peak_tflops, throughput
 from MaxText.train.optimizer import make_optimizer
 from MaxText.train.preemption import PreemptionWatch
 from MaxText.train.state import StateSetup, abstract_train_state, create_train_state
-from MaxText.train.step import make_eval_step, make_train_step
+from MaxText.train.step import jit_train_step, make_eval_step
 
 
 @dataclass
@@ -110,12 +110,7 @@ def train(config: Config) -> RunResult:
     checkpoints = Checkpoints(output_dir / "checkpoints", config) if config.enable_checkpointing else None
     (state, state_shardings), done_steps = initial_state(model, config, optimizer, mesh, checkpoints, data)
     batch_shards = batch_sharding(mesh, config)
-    step_fn = jax.jit(
-        make_train_step(model, config, optimizer),
-        in_shardings=(state_shardings, batch_shards),
-        out_shardings=(state_shardings, None),
-        donate_argnums=(0,),
-    )
+    step_fn = jit_train_step(model, config, optimizer, state_shardings, batch_shards)
 
     # ---- evaluation and accounting ----
     if eval_data is not None:

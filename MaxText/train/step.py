@@ -103,6 +103,18 @@ def make_train_step(model: DeepSeekV3, config: Config, optimizer: optax.Gradient
     return partial(train_step, model, config, optimizer)
 
 
+def jit_train_step(
+    model: DeepSeekV3, config: Config, optimizer: optax.GradientTransformation, state_shardings, batch_shardings
+) -> Callable:
+    """The step compiled with explicit shardings; the old state is donated (its buffers hold the new one)."""
+    return jax.jit(
+        make_train_step(model, config, optimizer),
+        in_shardings=(state_shardings, batch_shardings),
+        out_shardings=(state_shardings, None),
+        donate_argnums=(0,),
+    )
+
+
 def eval_step(model: DeepSeekV3, config: Config, state: TrainState, batch: dict[str, jax.Array]) -> Metrics:
     """The main head's cross-entropy on one batch, with its token count so that the loop can
     average several batches by tokens (the MTP and balance terms are training aids, not reported)."""
