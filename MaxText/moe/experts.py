@@ -1,18 +1,18 @@
 """The routed experts behind one function: dispatch, grouped SwiGLU matmuls, weighted combine.
 
 A backend runs the experts' SwiGLU MLPs over the dispatch layout, chosen by ``moe_matmul``; the
-layout (sorted, or padded to whole blocks for ``blocked``) is built once per block by the same
-gather that sorts. Backends built on a grouped matmul compose three of them; ``blocked`` fuses the
+layout (the copies sorted by expert, each expert padded to the smallest block for ``blocked``) is
+built once per MoE block by the same gather that sorts. Backends built on a grouped matmul compose three of them; ``blocked`` fuses the
 whole SwiGLU into one loop over blocks.
 
-- ``blocked``: block-padded groups and one loop of dense per-block SwiGLUs (ours; portable; CPU default).
+- ``blocked``: blocks of halving sizes and one loop of dense per-block SwiGLUs (ours; portable; CPU default).
 - ``ragged_dot``: XLA's grouped matmul over the sorted, unpadded layout (GPU/TPU).
 - ``te``: Transformer Engine's grouped GEMM (GPU; imported only when chosen).
 - ``auto``: ``te`` on GPU when it imports, else ``ragged_dot`` on GPU/TPU, else ``blocked``.
 
 ``capacity_factor > 0`` replaces all of them with the token-dropping baseline (``capacity.py``).
-With an expert mesh axis larger than 1, the backend runs per device inside ``shard_map`` on that
-device's experts (``expert_parallel.py``).
+With an expert mesh axis larger than 1, the backend runs per device on that device's experts, and
+``moe_ep_comm`` picks how tokens travel to them (``expert_parallel.py``, ``te_exchange.py``).
 
 Shape legend: T tokens, K experts per token, E experts, D model dim, F expert hidden dim,
 P padded rows.
