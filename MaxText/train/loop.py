@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 from tqdm import tqdm
 
-from MaxText.checkpointing import Checkpoints, load_parameters
+from MaxText.checkpointing import Checkpoints, load_moe_bias, load_parameters
 from MaxText.config import Config, config_to_yaml
 from MaxText.data.source import DataSource, make_data_source, make_eval_source
 from MaxText.models.accounting import train_flops_per_token
@@ -71,7 +71,8 @@ def initial_state(
     model, config: Config, optimizer, mesh, checkpoints: Checkpoints | None, data
 ) -> tuple[StateSetup, int]:
     """(state and its shardings, steps already done): restored from the newest good checkpoint,
-    which also rewinds the data iterator, or new (warm-started from ``load_parameters_path``)."""
+    which also rewinds the data iterator, or new (warm-started from ``load_parameters_path``: its
+    parameters, and its MoE correction biases when it has them)."""
     abstract = abstract_train_state(model, config, optimizer, mesh)
     shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract)
     if checkpoints is not None and (restored := checkpoints.restore_latest(abstract)) is not None:
@@ -82,6 +83,8 @@ def initial_state(
     state, shardings = create_train_state(model, config, optimizer, mesh)
     if config.load_parameters_path:
         state = state.replace(params=load_parameters(config.load_parameters_path, abstract.params))
+        if (bias := load_moe_bias(config.load_parameters_path, abstract.moe_bias)) is not None:
+            state = state.replace(moe_bias=bias)  # routing depends on them as much as on the weights
         log(f"parameters loaded from {config.load_parameters_path}")
     return StateSetup(state, shardings), 0
 

@@ -1,0 +1,387 @@
+"""Hugging Face interoperability against transformers' own DeepseekV3ForCausalLM (CPU torch).
+
+One tiny random HF model is built per module with every feature that can go wrong switched on:
+group-limited routing, a positive nonzero correction bias, q-LoRA, YaRN with a magnitude
+correction (mscale != mscale_all_dim) over a sequence longer than the original context, a dense
+MLP whose sizes are not multiples of 128 (partial FP8 blocks). torch and transformers are test
+dependencies only.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from MaxText.config import load_config  # noqa: E402
+from MaxText.hf.checkpoint_io import LeafReader  # noqa: E402
+from MaxText.hf.convert import convert  # noqa: E402
+from MaxText.hf.export import export  # noqa: E402
+from MaxText.hf.safetensors_io import SafetensorsFolder, write_safetensors  # noqa: E402
+from MaxText.hf.weights import abstract_variables, hf_table, leaves, to_hf  # noqa: E402
+from tools.forward import forward_logits  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SEQ = 40  # longer than the original context (16) that YaRN extends
+HF_CONFIG = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=200,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=16,
+    n_shared_experts=1,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    q_lora_rank=48,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    max_position_embeddings=64,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.7,
+    },
+    initializer_range=0.1,
+)
+
+
+def hf_logits(model_dir: Path, ids: np.ndarray) -> np.ndarray:
+    model = transformers.DeepseekV3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    """(HF folder, token ids, transformers' float32 logits)."""
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**HF_CONFIG)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # not all ones, so a misplaced norm shows
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+        for layer in model.model.layers[1:]:  # positive, and large enough to change the choice
+            layer.mlp.gate.e_score_correction_bias.copy_(0.05 + 0.3 * torch.rand(16))
+    directory = tmp_path_factory.mktemp("hf") / "tiny-deepseek-v3"
+    model.save_pretrained(directory)
+    ids = np.random.default_rng(0).integers(0, 256, (2, SEQ))
+    return directory, ids, hf_logits(directory, ids)
+
+
+@pytest.fixture(scope="module")
+def converted(hf_model, tmp_path_factory):
+    return convert(hf_model[0], tmp_path_factory.mktemp("converted") / "out", progress=False)
+
+
+def checkpoint_leaves(directory: Path, config) -> dict:
+    reader = LeafReader(directory)
+    return {leaf: reader.read(leaf) for leaf in leaves(abstract_variables(config))}
+
+
+def test_converted_logits_match_transformers(hf_model, converted):
+    _, ids, reference = hf_model
+    ours = forward_logits(converted, ids, "float32")
+    assert ours.shape == reference.shape == (2, SEQ, 256)
+    difference = np.abs(ours - reference).max()
+    assert difference < 1e-4, f"max |logit difference| {difference:.3g} (logits up to {np.abs(reference).max():.3g})"
+    overlay = yaml.safe_load((converted / "config.yml").read_text())
+    assert overlay["n_routing_groups"] == 4 and overlay["q_lora_rank"] == 48 and overlay["mtp_num_layers"] == 0
+
+
+RELEASE_CONFIG = {  # DeepSeek-V3's released config.json (its architecture fields)
+    "model_type": "deepseek_v3",
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "first_k_dense_replace": 3,
+    "moe_layer_freq": 1,
+    "num_nextn_predict_layers": 1,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "n_group": 8,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "max_position_embeddings": 163840,
+    "tie_word_embeddings": False,
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+}
+
+
+def test_release_config_maps_to_the_671b_overlay_and_its_tensor_shapes():
+    from MaxText.hf.config_map import config_from_hf, hf_config
+    from MaxText.hf.convert import matching_model_name
+
+    arch = config_from_hf(RELEASE_CONFIG, mtp_layers=1)
+    assert matching_model_name(arch) == "deepseek3-671b"
+    config = load_config(["model_name=deepseek3-671b", "run_name=t"])
+    table = hf_table(config)
+    # embedding, norm, head; dense layers (2 norms, 7 attention, 3 MLP); MoE layers (+ router, bias, shared, experts); MTP
+    assert len(table) == 3 + 3 * 12 + 58 * (14 + 3 * 256) + (4 + 14 + 3 * 256) == 46181
+    assert table["model.layers.5.self_attn.q_b_proj.weight"].hf_shape == (24576, 1536)
+    assert table["model.layers.61.eh_proj.weight"].hf_shape == (7168, 14336)
+    exported = hf_config(config, "bfloat16")
+    assert {k: exported[k] for k in RELEASE_CONFIG if k != "quantization_config"} == {
+        k: v for k, v in RELEASE_CONFIG.items() if k != "quantization_config"
+    }
+
+
+def test_deepseek_v2_with_greedy_softmax_routing_matches_transformers(tmp_path):
+    """V2-style: softmax routing without correction bias, full-rank queries, two shared experts.
+    transformers' V2 router never renormalises the chosen weights, whatever norm_topk_prob says."""
+    v2 = {k: v for k, v in HF_CONFIG.items() if k not in ("n_group", "topk_group")}
+    v2.update(q_lora_rank=None, n_shared_experts=2, topk_method="greedy", norm_topk_prob=True)
+    v2["rope_parameters"] = {**HF_CONFIG["rope_parameters"], "mscale": 0.707, "mscale_all_dim": 0.707}
+    torch.manual_seed(1)
+    model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**v2)).eval()
+    model.save_pretrained(tmp_path / "hf")
+    ids = np.random.default_rng(1).integers(0, 256, (2, SEQ))
+    with torch.no_grad():
+        reference = model(torch.tensor(ids)).logits.numpy()
+    out = convert(tmp_path / "hf", tmp_path / "out", progress=False)
+    assert np.abs(forward_logits(out, ids, "float32") - reference).max() < 1e-4
+
+
+def test_routing_depends_on_the_converted_correction_bias(hf_model, converted, tmp_path):
+    """The parity above is not blind to the bias: the same weights without it route differently."""
+    directory, ids, reference = hf_model
+    unbiased = tmp_path / "unbiased"
+    shutil.copytree(converted, unbiased)
+    reader = LeafReader(unbiased)
+    bias = reader.read(("moe_bias", "moe_layers", "layers", "moe", "router"))
+    assert (bias > 0).all()
+    import tensorstore as ts
+
+    store = ts.open(
+        {
+            "driver": "zarr",
+            "kvstore": {"driver": "file", "path": str(unbiased / "state" / "moe_bias.moe_layers.layers.moe.router")},
+        }
+    ).result()
+    store.write(np.zeros_like(bias)).result()
+    assert np.abs(forward_logits(unbiased, ids, "float32") - reference).max() > 1e-3
+
+
+def test_export_round_trips_bit_exactly_and_transformers_loads_it(hf_model, converted, tmp_path):
+    directory, ids, reference = hf_model
+    exported = export(converted, tmp_path / "exported", dtype="float32", progress=False)
+    original, ours = SafetensorsFolder(directory), SafetensorsFolder(exported)
+    assert set(ours.tensors) == set(original.tensors)
+    for name in original.tensors:
+        np.testing.assert_array_equal(ours.read(name), original.read(name), err_msg=name)
+
+    again = convert(exported, tmp_path / "reimported", progress=False)
+    config = load_config([str(converted / "config.yml"), "run_name=t"])
+    first, second = checkpoint_leaves(converted, config), checkpoint_leaves(again, config)
+    for leaf, value in first.items():
+        np.testing.assert_array_equal(second[leaf], value, err_msg="/".join(leaf))
+
+    assert np.abs(hf_logits(exported, ids) - reference).max() < 1e-6
+
+
+def test_mtp_module_round_trips_through_the_hf_layout(tmp_path):
+    """deepseek3-tiny has an MTP module: export puts it under model.layers.3.*, import brings it back."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    config = load_config(["model_name=deepseek3-tiny", "run_name=t", "vocab_size=256"]).with_platform("cpu")
+    rng = np.random.default_rng(0)
+    abstract = abstract_variables(config)
+    params = jax.tree.map(lambda s: rng.standard_normal(s.shape, np.float32), abstract["params"])
+    bias = jax.tree.map(lambda s: rng.random(s.shape, np.float32), abstract["moe_bias"])
+    ours = tmp_path / "ours"
+    ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).save(ours / "state", {"params": params, "moe_bias": bias})
+    keys = ("base_emb_dim", "vocab_size", "mtp_num_layers", "first_num_dense_layers", "base_num_decoder_layers")
+    (ours / "config.yml").write_text(yaml.safe_dump({k: getattr(config, k) for k in keys}))
+
+    exported = export(ours, tmp_path / "hf", dtype="float32", progress=False)
+    names = set(SafetensorsFolder(exported).tensors)
+    assert {
+        "model.layers.3.eh_proj.weight",
+        "model.layers.3.enorm.weight",
+        "model.layers.3.shared_head.head.weight",
+    } <= names
+    back = convert(exported, tmp_path / "back", progress=False)
+    assert yaml.safe_load((back / "config.yml").read_text())["mtp_num_layers"] == 1
+    restored = checkpoint_leaves(back, config)
+    for leaf, value in leaves({"params": params, "moe_bias": bias}).items():
+        np.testing.assert_array_equal(restored[leaf], value, err_msg="/".join(leaf))
+
+
+def fp8_blocks(weight: "torch.Tensor", block: int = 128) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """DeepSeek's weight quantization: per 128x128 block, scale = amax / 448."""
+    m, n = weight.shape
+    rows, cols = -(-m // block), -(-n // block)
+    scale = torch.zeros(rows, cols)
+    quantized = torch.zeros(m, n, dtype=torch.float8_e4m3fn)
+    for i in range(rows):
+        for j in range(cols):
+            tile = weight[i * block : (i + 1) * block, j * block : (j + 1) * block]
+            scale[i, j] = tile.abs().max().clamp(min=1e-12) / 448.0
+            quantized[i * block : (i + 1) * block, j * block : (j + 1) * block] = (tile / scale[i, j]).to(
+                torch.float8_e4m3fn
+            )
+    return quantized, scale
+
+
+def test_fp8_block_scaled_weights_are_dequantized(hf_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    directory, _, _ = hf_model
+    tensors = load_file(directory / "model.safetensors")
+    fp8, reference = {}, {}
+    for name, value in tensors.items():
+        quantize = value.ndim == 2 and "embed" not in name and "lm_head" not in name and "mlp.gate." not in name
+        if quantize:
+            value = value * 40  # several binades, so the per-block scales differ
+            fp8[name], fp8[name + "_scale_inv"] = fp8_blocks(value)
+            scale = fp8[name + "_scale_inv"].repeat_interleave(128, 0).repeat_interleave(128, 1)
+            reference[name] = fp8[name].float() * scale[: value.shape[0], : value.shape[1]]
+        else:
+            fp8[name] = value
+    assert tuple(fp8["model.layers.0.mlp.down_proj.weight_scale_inv"].shape) == (1, 2)  # 200 columns: one partial block
+    assert tuple(fp8["model.layers.0.mlp.gate_proj.weight_scale_inv"].shape) == (2, 1)
+    quantized = tmp_path / "fp8"
+    quantized.mkdir()
+    save_file(fp8, quantized / "model.safetensors")
+    hf = json.loads((directory / "config.json").read_text())
+    hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (quantized / "config.json").write_text(json.dumps(hf))
+
+    out = convert(quantized, tmp_path / "converted", progress=False)
+    config = load_config([str(out / "config.yml"), "run_name=t"]).with_platform("cpu")
+    ours = checkpoint_leaves(out, config)
+    for name, slot in hf_table(config).items():
+        if name in reference:
+            np.testing.assert_array_equal(
+                to_hf(ours[slot.leaf][slot.index], slot.layout), reference[name].numpy(), err_msg=name
+            )
+
+
+def run_convert_tool(capsys, hf_path: Path, output: Path) -> str:
+    from tools.convert_hf_checkpoint import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--hf_path", str(hf_path), "--output_path", str(output)])
+    assert exit_info.value.code == 2
+    lines = [line for line in capsys.readouterr().err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in lines[0]
+    return lines[0]
+
+
+def edited_copy(source: Path, target: Path, drop: str = "", add: str = "", config: dict | None = None) -> Path:
+    target.mkdir()
+    folder = SafetensorsFolder(source)
+    names = [n for n in folder.tensors if n != drop]
+    arrays = {n: folder.read(n) for n in names}
+    if add:
+        arrays[add] = np.zeros((3,), np.float32)
+    write_safetensors(
+        target / "model.safetensors", {n: (a.shape, a.dtype) for n, a in arrays.items()}, iter(arrays.items())
+    )
+    hf = json.loads((source / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**hf, **(config or {})}))
+    return target
+
+
+def test_bad_checkpoints_exit_2_naming_the_problem(hf_model, tmp_path, capsys):
+    directory, _, _ = hf_model
+    out = tmp_path / "out"
+    (tmp_path / "empty").mkdir()
+    assert "no config.json" in run_convert_tool(capsys, tmp_path / "empty", out)
+
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    shutil.copy(directory / "config.json", no_weights)
+    assert "no *.safetensors" in run_convert_tool(capsys, no_weights, out)
+
+    llama = edited_copy(directory, tmp_path / "llama", config={"model_type": "llama"})
+    assert "model_type" in run_convert_tool(capsys, llama, out)
+
+    dropped = "model.layers.2.mlp.experts.7.up_proj.weight"
+    assert dropped in run_convert_tool(capsys, edited_copy(directory, tmp_path / "missing", drop=dropped), out)
+
+    extra = "model.layers.1.mlp.extra.weight"
+    assert extra in run_convert_tool(capsys, edited_copy(directory, tmp_path / "extra", add=extra), out)
+
+    wider = edited_copy(directory, tmp_path / "wider", config={"intermediate_size": 208})
+    line = run_convert_tool(capsys, wider, out)
+    assert "model.layers.0.mlp." in line and "shape" in line
+    assert not out.exists()  # nothing is written before everything checks out
+
+
+def test_training_continues_from_a_converted_checkpoint_and_exports_back(hf_model, converted, tmp_path):
+    """Convert -> train 3 steps from it -> export the trained step -> transformers matches our logits."""
+    command = [
+        sys.executable,
+        "-m",
+        "MaxText.train",
+        str(converted / "config.yml"),
+        f"load_parameters_path={converted}",
+        f"base_output_directory={tmp_path}",
+        "run_name=finetune",
+        "dataset_type=synthetic",
+        "steps=3",
+        "log_period=1",
+        "checkpoint_period=3",
+        "enable_tensorboard=false",
+        "eval_interval=0",
+    ]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert f"parameters loaded from {converted}" in result.stdout
+    records = [json.loads(line) for line in (tmp_path / "finetune" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in records)
+
+    trained = tmp_path / "finetune" / "checkpoints" / "3"
+    ids = hf_model[1]
+    ours = forward_logits(trained, ids, "float32")
+    assert np.abs(ours - forward_logits(converted, ids, "float32")).max() > 1e-4  # the weights did change
+    exported = export(trained, tmp_path / "exported", dtype="float32", progress=False)
+    assert np.abs(hf_logits(exported, ids) - ours).max() < 1e-4

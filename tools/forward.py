@@ -1,0 +1,74 @@
+"""Logits of a checkpoint on given token ids, for parity checks and debugging.
+
+    python tools/forward.py --checkpoint converted/ --input_ids ids.npy --output logits.npy --dtype float32
+
+``--input_ids`` is a [batch, length] integer array (.npy); ``--output`` gets the main head's
+logits [batch, length, vocab] as float32. Positions are 0..length-1 and every row is one
+document (causal attention over the whole row). The MoE correction biases of the checkpoint are
+used (they decide the routing). Runs on one device of whatever JAX finds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
+
+import numpy as np  # noqa: E402
+
+
+def forward_logits(checkpoint: str | Path, input_ids: np.ndarray, dtype: str | None = None) -> np.ndarray:
+    import jax
+    import jax.numpy as jnp
+
+    from MaxText.hf.checkpoint_io import checkpoint_config, restore_variables
+    from MaxText.hf.weights import abstract_variables
+    from MaxText.models.deepseek import DeepSeekV3
+    from MaxText.moe.block import LOAD, LOSS
+
+    overrides = [f"dtype={dtype}"] if dtype else []
+    config = checkpoint_config(checkpoint, *overrides).with_platform(jax.devices()[0].platform)
+    variables = restore_variables(checkpoint, config, abstract_variables(config))
+    tokens = jnp.asarray(input_ids, jnp.int32)
+    B, S = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    model = DeepSeekV3(config)
+    apply = jax.jit(lambda v, t, p, s: model.apply(v, t, p, s, mutable=[LOAD, LOSS])[0].logits_BSV)
+    return np.asarray(apply(variables, tokens, positions, jnp.ones((B, S), jnp.int32)), np.float32)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", required=True, help="a converted checkpoint or a training step directory")
+    parser.add_argument("--input_ids", required=True, help=".npy file of [batch, length] token ids")
+    parser.add_argument("--output", required=True, help=".npy file to write the [batch, length, vocab] logits to")
+    parser.add_argument("--dtype", default=None, help="activation dtype (default: the checkpoint config's)")
+    args = parser.parse_args(argv)
+
+    from MaxText.checkpointing import CheckpointError
+    from MaxText.hf import HFCheckpointError
+
+    try:
+        ids = np.load(args.input_ids)
+    except (OSError, ValueError) as err:
+        print(f"error: --input_ids {args.input_ids}: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        print(
+            f"error: --input_ids must be a [batch, length] integer array, got {ids.dtype} {list(ids.shape)}",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    try:
+        logits = forward_logits(args.checkpoint, ids, args.dtype)
+    except (HFCheckpointError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    np.save(args.output, logits)
+    print(f"logits {list(logits.shape)} written to {args.output}")
+
+
+if __name__ == "__main__":
+    main()
