@@ -61,6 +61,10 @@ def warn(message: str) -> None:
         print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
+# One compiled copy of the whole tree (one dispatch, new buffers: XLA keeps explicit copies).
+_device_copy = jax.jit(lambda tree: jax.tree.map(lambda x: x.copy(), tree))
+
+
 class Checkpoints:
     """The run's checkpoint manager (one per run directory)."""
 
@@ -86,7 +90,7 @@ class Checkpoints:
         """Start writing ``step`` (returns before the write finishes when saving asynchronously)."""
         if self.in_background:
             self.wait()  # one save at a time
-            snapshot = jax.tree.map(lambda x: x.copy(), state)  # the step may donate ``state``'s buffers
+            snapshot = _device_copy(state)  # the next step donates ``state``'s buffers
             self.pending = self.worker.submit(self._save, step, snapshot, data_state, config)
         else:
             self._save(step, state, data_state, config)
