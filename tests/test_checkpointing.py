@@ -3,6 +3,7 @@ shape mismatches and warm start, on 8 simulated devices (fsdp 2 x expert 4)."""
 
 import functools
 import os
+import shutil
 from pathlib import Path
 
 import jax
@@ -53,8 +54,7 @@ def saved(tmp_path_factory):
 
 
 def copy_of(directory: Path, tmp_path: Path) -> Path:
-    os.system(f"cp -r {directory} {tmp_path / 'copy'}")
-    return tmp_path / "copy"
+    return Path(shutil.copytree(directory, tmp_path / "copy"))
 
 
 def test_newest_checkpoint_restores_state_data_and_shardings(saved):
@@ -74,9 +74,12 @@ def test_restore_onto_a_different_mesh(saved):
     assert_same(restored.state, perturbed(state, 2))
     assert {d.id for leaf in jax.tree.leaves(restored.state) for d in leaf.sharding.device_set} == {0, 1, 2, 3}
     expert_weight = restored.state.params["moe_layers"]["layers"]["moe"]["wi_0"]
-    assert expert_weight.sharding.spec != jax.tree.leaves(abstract)[0].sharding.spec or mesh.shape["fsdp"] == 4
+    assert expert_weight.sharding == abstract.params["moe_layers"]["layers"]["moe"]["wi_0"].sharding
+    assert expert_weight.sharding.mesh.shape["fsdp"] == 4 and len(expert_weight.addressable_shards) == 4
 
 
+# Orbax leaves the failed read's other coroutines unawaited; their garbage collection is noise here.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_truncated_newest_checkpoint_falls_back_to_the_previous_with_a_warning(saved, tmp_path, capsys):
     directory, state = saved
     config, _, _, abstract = setup(*MESH_8)
