@@ -162,12 +162,12 @@ def _stored_item(path: str) -> tuple[Path, Any]:
         raise CheckpointError(f"config key 'load_parameters_path': cannot read a checkpoint at {item} ({err})") from err
 
 
-def _restore_subtree(item: Path, key: str, abstract: Any) -> Any:
-    restore_args = ocp.checkpoint_utils.construct_restore_args({key: abstract})
-    restored = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(
-        item, args=ocp.args.PyTreeRestore(item={key: abstract}, restore_args=restore_args, partial_restore=True)
+def _restore(item: Path, target: Any) -> Any:
+    """The part of the stored tree that ``target`` (abstract arrays with shardings) names."""
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(
+        item, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
     )
-    return restored[key]
 
 
 def load_parameters(path: str, abstract_params: Any) -> Any:
@@ -178,13 +178,7 @@ def load_parameters(path: str, abstract_params: Any) -> Any:
     nested = isinstance(stored, dict) and "params" in stored  # a whole train state, or parameters alone
     if mismatch := first_shape_mismatch(stored["params"] if nested else stored, abstract_params):
         raise CheckpointError(f"checkpoint {item} does not match the config: {mismatch}")
-    if nested:
-        return _restore_subtree(item, "params", abstract_params)
-    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
-    restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_params)
-    return checkpointer.restore(
-        item, args=ocp.args.PyTreeRestore(item=abstract_params, restore_args=restore_args, partial_restore=True)
-    )
+    return _restore(item, {"params": abstract_params})["params"] if nested else _restore(item, abstract_params)
 
 
 def load_moe_bias(path: str, abstract_bias: Any) -> Any | None:
@@ -195,4 +189,4 @@ def load_moe_bias(path: str, abstract_bias: Any) -> Any | None:
         return None
     if mismatch := first_shape_mismatch(stored["moe_bias"], abstract_bias):
         raise CheckpointError(f"checkpoint {item} does not match the config: moe_bias/{mismatch}")
-    return _restore_subtree(item, "moe_bias", abstract_bias)
+    return _restore(item, {"moe_bias": abstract_bias})["moe_bias"]

@@ -34,8 +34,6 @@ from jax.sharding import PartitionSpec as P
 from MaxText.config import Config
 from MaxText.moe.dispatch import combine, gather_copies, gather_rows
 
-EXCHANGES = ("allgather", "all_to_all", "ragged_all_to_all", "te")
-
 
 def expert_axis() -> str | None:
     """The mesh axis experts are split over in the current mesh and rules, if more than 1 way."""
@@ -87,7 +85,7 @@ slot_exchange.defvjp(_slot_exchange_fwd, _slot_exchange_bwd)
 
 
 def _send_slots(experts_TK: jax.Array, experts_per_device: int, ep: int):
-    """Where each token goes: (token_R, valid_R, row_Td, copy_R, sizes_d). Token t is sent once
+    """Where each token goes: (token_R, destination_R, valid_R, row_Td, copy_R, sizes_d). Token t is sent once
     to every device d holding one of its experts, at row ``d*C + rank of t among d's tokens``;
     row ``d*C + T`` of every slot stays empty (where unsent (token, device) pairs point)."""
     T = experts_TK.shape[0]
@@ -101,19 +99,19 @@ def _send_slots(experts_TK: jax.Array, experts_per_device: int, ep: int):
     token_dC = jnp.argsort(~send_Td, axis=0, stable=True).T  # [ep, T]
     token_R = jnp.concatenate([token_dC, jnp.zeros((ep, 1), token_dC.dtype)], axis=1).reshape(ep * C)
     valid_R = (jnp.arange(C) < sizes_d[:, None]).reshape(ep * C)
-    copy_R = jnp.where(valid_R, token_R * ep + jnp.repeat(d_, C), 0)  # the (token, device) pair of each row
-    return token_R, valid_R, row_Td, copy_R, sizes_d
+    destination_R = jnp.repeat(d_, C)
+    copy_R = jnp.where(valid_R, token_R * ep + destination_R, 0)  # the (token, device) pair of each row
+    return token_R, destination_R, valid_R, row_Td, copy_R, sizes_d
 
 
 def _slot_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis, ragged):
     """Per device: send tokens to their experts' devices, compute, send partial outputs back."""
     ep, E_local = jax.sharding.get_abstract_mesh().shape[axis], wi_0.shape[0]
-    token_R, valid_R, row_Td, copy_R, send_sizes = _send_slots(experts_TK, E_local, ep)
+    token_R, destination_R, valid_R, row_Td, copy_R, send_sizes = _send_slots(experts_TK, E_local, ep)
     recv_sizes = jax.lax.all_to_all(send_sizes, axis, 0, 0, tiled=True)
 
     # Outbound: the tokens, their experts as ids local to the destination, their weights.
     x_RD = slot_exchange(gather_rows(x_TD, token_R, valid_R, row_Td), send_sizes, recv_sizes, axis, ragged)
-    destination_R = jnp.repeat(jnp.arange(ep), token_R.shape[0] // ep)
     local_RK = experts_TK[token_R] - destination_R[:, None] * E_local
     active_RK = valid_R[:, None] & (local_RK >= 0) & (local_RK < E_local)
     weights_RK = jnp.where(active_RK, weights_TK[token_R], 0)

@@ -2,8 +2,8 @@
 
 A backend runs the experts' SwiGLU MLPs over the dispatch layout, chosen by ``moe_matmul``; the
 layout (the copies sorted by expert, each expert padded to the smallest block for ``blocked``) is
-built once per MoE block by the same gather that sorts. Backends built on a grouped matmul compose three of them; ``blocked`` fuses the
-whole SwiGLU into one loop over blocks.
+built once per MoE block by the same gather that sorts. Backends built on a grouped matmul compose
+three of them; ``blocked`` fuses the whole SwiGLU into one loop over blocks.
 
 - ``blocked``: blocks of halving sizes and one loop of dense per-block SwiGLUs (ours; portable; CPU default).
 - ``ragged_dot``: XLA's grouped matmul over the sorted, unpadded layout (GPU/TPU).
@@ -19,6 +19,7 @@ P padded rows.
 """
 
 import contextlib
+import functools
 from collections.abc import Callable
 from functools import partial
 
@@ -84,6 +85,7 @@ def row_multiple(backend: str, config: Config) -> int:
     return config.moe_min_block_rows if backend == "blocked" else 1
 
 
+@functools.cache  # an import that failed once fails again; don't retry it at every trace
 def transformer_engine_error() -> str | None:
     """Why Transformer Engine's JAX API cannot be used here, or None if it can."""
     try:
@@ -93,27 +95,26 @@ def transformer_engine_error() -> str | None:
     return None
 
 
-def resolve_backend(name: str, platform: str | None = None) -> str:
-    """``auto`` becomes the best backend for the platform (default: JAX's current backend):
-    Transformer Engine on GPU when it imports, else ``ragged_dot`` on GPU/TPU, else ``blocked``."""
+def _resolve_auto(name: str, platform: str | None, accelerator_choice: str, cpu_choice: str) -> str:
+    """``auto`` becomes Transformer Engine on GPU when it imports, else ``accelerator_choice`` on
+    GPU/TPU, else ``cpu_choice`` (platform default: JAX's current backend)."""
     if name != "auto":
         return name
     platform = platform or jax.default_backend()
-    if platform in ("gpu", "cuda"):
-        return "te" if transformer_engine_error() is None else "ragged_dot"
-    return "ragged_dot" if platform in ("rocm", "tpu") else "blocked"
+    if platform in ("gpu", "cuda") and transformer_engine_error() is None:
+        return "te"
+    return accelerator_choice if platform in ("gpu", "cuda", "rocm", "tpu") else cpu_choice
+
+
+def resolve_backend(name: str, platform: str | None = None) -> str:
+    """The grouped-matmul backend ``moe_matmul`` names: ``auto`` is te, else ragged_dot, else blocked."""
+    return _resolve_auto(name, platform, "ragged_dot", "blocked")
 
 
 def resolve_exchange(name: str, platform: str | None = None) -> str:
-    """``auto`` becomes the best expert-parallel exchange for the platform: Transformer Engine's
-    NCCL EP on GPU when it imports, else exact-size ``ragged_all_to_all`` on GPU/TPU, else
-    ``allgather``."""
-    if name != "auto":
-        return name
-    platform = platform or jax.default_backend()
-    if platform in ("gpu", "cuda"):
-        return "te" if transformer_engine_error() is None else "ragged_all_to_all"
-    return "ragged_all_to_all" if platform in ("rocm", "tpu") else "allgather"
+    """The expert-parallel exchange ``moe_ep_comm`` names: ``auto`` is Transformer Engine's NCCL EP,
+    else exact-size ragged_all_to_all, else allgather."""
+    return _resolve_auto(name, platform, "ragged_all_to_all", "allgather")
 
 
 def check_backend(config: Config, platform: str) -> None:

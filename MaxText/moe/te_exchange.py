@@ -95,8 +95,8 @@ def te_experts(
     T, D = x_TD.shape
     K = experts_TK.shape[-1]
     cfg = ep.EpLayerConfig(top_k=K, dispatch_output_per_expert_alignment=ALIGN_ROWS)
-    ep_size = jax.sharding.get_abstract_mesh().shape[axis]
-    capacity = recv_capacity(config, T // jax.sharding.get_abstract_mesh().size, ep_size)
+    mesh = jax.sharding.get_abstract_mesh()
+    capacity = recv_capacity(config, T // mesh.size, mesh.shape[axis])
     # TE wants the token dim split over (outer axes..., ep) exactly, with ep innermost.
     rows_spec = P((*[a for a in _token_axes() if a != axis], axis))
     x_TD, experts_TK, weights_TK = (
