@@ -5,7 +5,8 @@ Layout: ``<base_output_directory>/<run_name>/checkpoints/<step>/`` with three it
 iterator's state, JSON) and ``config`` (the resolved config, JSON). Orbax writes each step into a
 temporary directory and renames it when complete, so a save killed midway leaves no step behind
 to restore; a step that fails to read (truncated or corrupted files) is reported with its path and
-the previous one is used.
+the previous one is used. With several processes every process restores the same step: the newest
+that all of them read (a process reads only its own shards, so one can fail where others succeed).
 
 Restores go straight into the target shardings of the current mesh (Orbax reads each shard's
 slice), so a checkpoint saved on one mesh restores onto another. The run's parameters are
@@ -22,7 +23,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from MaxText.config import Config
 
@@ -56,8 +59,11 @@ def first_shape_mismatch(stored: Any, target: Any) -> str | None:
     return f"{sorted(extra)[0]} is in the checkpoint but not in the model" if extra else None
 
 
-def warn(message: str) -> None:
-    if jax.process_index() == 0:
+def warn(message: str, everywhere: bool = False) -> None:
+    """Print on process 0; ``everywhere``: on every process, naming it (what only one process saw)."""
+    if everywhere and jax.process_count() > 1:
+        print(f"warning: process {jax.process_index()}: {message}", file=sys.stderr, flush=True)
+    elif jax.process_index() == 0:
         print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
@@ -82,6 +88,7 @@ class Checkpoints:
             "config": ocp.JsonCheckpointHandler(),
         }
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self.state_handler, self.data_handler = ocp.StandardCheckpointHandler(), ocp.JsonCheckpointHandler()
         self.in_background = config.async_checkpointing and config.checkpoint_device_copy
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint") if self.in_background else None
         self.pending: Future | None = None
@@ -115,6 +122,7 @@ class Checkpoints:
         if self.worker is not None:
             self.worker.shutdown()
         self.manager.close()
+        self.state_handler.close()
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -123,31 +131,59 @@ class Checkpoints:
         return self.directory / str(step)
 
     def restore_latest(self, abstract_state: Any) -> Restored | None:
-        """The newest checkpoint that reads back, restored into ``abstract_state``'s shardings;
-        None when there is none. Unreadable steps are skipped with a warning naming them; a step
-        whose shapes differ from the model raises ``CheckpointError``."""
-        for step in reversed(self.steps()):
+        """The newest checkpoint that every process reads back, restored into ``abstract_state``'s
+        shardings; None when there is none. Unreadable steps are skipped with a warning naming
+        them; a step whose shapes differ from the model raises ``CheckpointError``.
+
+        Each process reads only its own shards, so one process can fail on a step that the others
+        read (a damaged file only it touches, a node-local view of the directory). The processes
+        agree by descending minimum: each proposes the newest step it has restored at or below
+        the bound, the minimum of the proposals becomes the bound, and a process holding a newer
+        step restores again below it, until every proposal is the same step (one round when all
+        is well). Restores call Orbax's handlers directly: ``CheckpointManager.restore`` ends in a
+        barrier that a process whose read failed never reaches."""
+        bound, held = None, None
+        while True:
+            if held is None or (bound is not None and held.step > bound):
+                held = self._newest_readable(abstract_state, bound)
+            proposals = _all_processes(held.step if held is not None else -1)
+            if proposals.min() == proposals.max():
+                return held
+            bound = int(proposals.min())
+            if bound == -1:
+                warn("no checkpoint is readable on every process; starting from scratch")
+                return None
+            warn(
+                f"checkpoint {self.step_path(int(proposals.max()))} is not readable on every process; trying step {bound}"
+            )
+
+    def _newest_readable(self, abstract_state: Any, bound: int | None) -> Restored | None:
+        """This process's newest step at or below ``bound`` that restores, restored; None if none."""
+        for step in reversed([s for s in self.steps() if bound is None or s <= bound]):
             path = self.step_path(step)
             try:
                 stored = self.manager.item_metadata(step)["state"]
             except Exception as err:  # unreadable metadata: a damaged step
-                warn(f"checkpoint {path} is unreadable ({type(err).__name__}); using the previous one")
+                warn(f"checkpoint {path} is unreadable ({type(err).__name__}); using the previous one", everywhere=True)
                 continue
             if stored is not None and (mismatch := first_shape_mismatch(stored, abstract_state)):
                 raise CheckpointError(f"checkpoint {path} does not match the config: {mismatch}")
             try:
-                restored = self.manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()
-                    ),
-                )
+                state = self.state_handler.restore(path / "state", args=ocp.args.StandardRestore(abstract_state))
+                data = self.data_handler.restore(path / "data", args=ocp.args.JsonRestore())
             except Exception as err:
                 reason = (str(err).strip().splitlines() or [type(err).__name__])[0].split(". See full")[0]
-                warn(f"checkpoint {path} is unreadable ({reason[:200]}); using the previous one")
+                warn(f"checkpoint {path} is unreadable ({reason[:200]}); using the previous one", everywhere=True)
                 continue
-            return Restored(step, restored["state"], restored["data"] or None, path)
+            return Restored(step, state, data or None, path)
         return None
+
+
+def _all_processes(value: int) -> np.ndarray:
+    """``value`` from every process, in process order (a collective: every process must call it)."""
+    if jax.process_count() == 1:
+        return np.array([value])
+    return np.asarray(multihost_utils.process_allgather(np.int32(value))).reshape(-1)
 
 
 def _stored_item(path: str) -> tuple[Path, Any]:

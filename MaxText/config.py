@@ -3,24 +3,32 @@
 Layers, lowest precedence first: ``configs/base.yml`` (every key and its default) <
 ``configs/models/<model_name>.yml`` < extra yml files on the command line < ``key=value``.
 
-The schema below holds types and cross-field rules only; every default lives in base.yml
+The schema below holds types, ranges and cross-field rules only; every default lives in base.yml
 (a test keeps the two in step). Loading touches no device and starts no runtime: values that
 depend on the hardware (``dtype: auto``, the device count) are resolved later by the caller.
 Any bad input raises :class:`ConfigError`, whose one-line message names the key; entry points
 turn it into exit code 2.
+
+Types are strict (pydantic strict mode): an int key takes an integer only (``steps=3.0`` is an
+error, not 3), a bool key ``true``/``false`` only, a float key a number (ints included), and no
+float is inf or nan. A key whose values have a range says so in its annotation (``Count``,
+``Probability``, ...), so the range is checked where the type is, with the same one-line error;
+``check_rules`` keeps the rules that involve several keys. YAML is read with YAML 1.2's booleans
+and floats (``_Yaml``): PyYAML's YAML 1.1 reads ``yes``/``on`` as true and ``1e-4`` as a string.
 """
 
 from __future__ import annotations
 
 import difflib
 import os
+import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError
 
 from MaxText.parallel.axes import MESH_AXES
 
@@ -39,91 +47,117 @@ DType = Literal["auto", "bfloat16", "float16", "float32", "float64"]
 ParamDType = Literal["bfloat16", "float32", "float64"]
 
 
-class Config(BaseModel):
-    """Typed view of base.yml. No defaults here: base.yml is the single source."""
+def _minus_one_or_count(value: int) -> int:
+    if value != -1 and value < 1:
+        raise ValueError("must be >= 1, or -1 as its base.yml comment explains")
+    return value
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+
+# Ranges, by what a key means. Cross-key limits (top-k <= experts, ...) are in check_rules.
+Count = Annotated[int, Field(ge=1)]  # sizes, periods, counts of things that must exist
+NonNegative = Annotated[int, Field(ge=0)]  # counts where 0 means none or off
+CountOrMinusOne = Annotated[int, AfterValidator(_minus_one_or_count)]  # -1 is a sentinel (fill, all, = steps)
+Probability = Annotated[float, Field(ge=0, le=1)]  # probabilities and fractions
+Decay = Annotated[float, Field(ge=0, lt=1)]  # moving-average decays (Adam betas)
+Positive = Annotated[float, Field(gt=0)]  # epsilons, scales, standard deviations
+NonNegativeFloat = Annotated[float, Field(ge=0)]  # rates and weights, 0 = off
+
+
+class Config(BaseModel):
+    """Typed view of base.yml. No defaults here: base.yml is the single source.
+
+    Strict (see the module docstring). A type whose YAML form is another type (a tuple is a YAML
+    list) opts out with ``Annotated[..., Strict(False)]``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     # run
     model_name: str
     run_name: str
     base_output_directory: str
     hardware: Literal["auto", "cpu", "gpu"]
-    steps: int
-    log_period: int
-    seed: int
+    steps: NonNegative
+    log_period: Count
+    seed: NonNegative
     enable_tensorboard: bool
     # checkpoints
     enable_checkpointing: bool
-    checkpoint_period: int
-    max_num_checkpoints_to_keep: int
+    checkpoint_period: Count
+    max_num_checkpoints_to_keep: CountOrMinusOne
     async_checkpointing: bool
     checkpoint_device_copy: bool
     load_parameters_path: str
+    preemption_check_period: Count
     # batch
-    per_device_batch_size: int
-    max_target_length: int
-    gradient_accumulation_steps: int
+    per_device_batch_size: Count
+    max_target_length: Annotated[int, Field(ge=2)]  # inputs and targets are shifted by one
+    gradient_accumulation_steps: Count
     # optimizer
-    learning_rate: float
-    warmup_steps: int
-    learning_rate_schedule_steps: int
-    learning_rate_final_fraction: float
-    adam_b1: float
-    adam_b2: float
-    adam_eps: float
-    adam_weight_decay: float
-    gradient_clipping_threshold: float
+    learning_rate: NonNegativeFloat
+    warmup_steps: NonNegative
+    learning_rate_schedule_steps: CountOrMinusOne
+    learning_rate_final_fraction: Probability
+    adam_b1: Decay
+    adam_b2: Decay
+    adam_eps: Positive
+    adam_weight_decay: NonNegativeFloat
+    gradient_clipping_threshold: NonNegativeFloat
     # precision and memory
     dtype: DType
     weight_dtype: ParamDType
     remat_policy: Literal["none", "minimal", "full"]
     # model shape
-    vocab_size: int
-    base_emb_dim: int
-    base_num_decoder_layers: int
-    first_num_dense_layers: int
-    base_mlp_dim: int
-    base_num_query_heads: int
-    normalization_layer_epsilon: float
-    init_weights_std: float
+    vocab_size: Count
+    base_emb_dim: Count
+    base_num_decoder_layers: Count
+    first_num_dense_layers: NonNegative
+    base_mlp_dim: Count
+    base_num_query_heads: Count
+    normalization_layer_epsilon: Positive
+    init_weights_std: Positive
     # MLA
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
+    q_lora_rank: NonNegative
+    kv_lora_rank: Count
+    qk_nope_head_dim: Count
+    qk_rope_head_dim: Count
+    v_head_dim: Count
+    attention: Literal["auto", "dot", "flash", "cudnn", "te"]
+    attention_block_q: Count
+    attention_block_kv: Count
+    attention_max_segments: Count
     # rotary / YaRN
-    rope_max_timescale: float
+    rope_max_timescale: Annotated[float, Field(gt=1)]  # its log divides
     rope_interleave: bool
     rope_type: Literal["yarn", "default"]
-    rope_factor: float
-    original_max_position_embeddings: int
-    beta_fast: float
-    beta_slow: float
-    rope_mscale: float
-    rope_mscale_all_dim: float
+    rope_factor: Annotated[float, Field(ge=1)]
+    original_max_position_embeddings: Count
+    beta_fast: Positive
+    beta_slow: Positive
+    rope_mscale: NonNegativeFloat
+    rope_mscale_all_dim: NonNegativeFloat
     # MoE
-    num_experts: int
-    num_experts_per_tok: int
-    shared_experts: int
-    base_moe_mlp_dim: int
+    num_experts: Count
+    num_experts_per_tok: Count
+    shared_experts: NonNegative
+    base_moe_mlp_dim: Count
     capacity_factor: float
     moe_matmul: Literal["auto", "blocked", "ragged_dot", "te"]
-    moe_block_rows: int
-    moe_min_block_rows: int
+    moe_block_rows: Count
+    moe_min_block_rows: Count
     moe_ep_comm: Literal["auto", "allgather", "all_to_all", "ragged_all_to_all", "te"]
+    moe_ep_buffer_factor: Positive
     routed_score_func: Literal["sigmoid", "softmax"]
     routed_bias: bool
-    routed_bias_update_rate: float
-    routed_scaling_factor: float
+    routed_bias_update_rate: Decay
+    routed_bias_update_rule: Literal["sign", "proportional"]
+    routed_scaling_factor: Positive
     routed_norm_topk_prob: bool
-    n_routing_groups: int
-    topk_routing_group: int
-    load_balance_loss_weight: float
+    n_routing_groups: Count
+    topk_routing_group: Count
+    load_balance_loss_weight: NonNegativeFloat
     # MTP
-    mtp_num_layers: int
-    mtp_loss_scaling_factor: float
+    mtp_num_layers: NonNegative
+    mtp_loss_scaling_factor: NonNegativeFloat
     # data
     dataset_type: Literal["builtin", "tfds", "synthetic"]
     dataset_name: str
@@ -131,7 +165,7 @@ class Config(BaseModel):
     dataset_text_field: str
     train_split: str
     eval_split: str
-    builtin_max_files: int
+    builtin_max_files: NonNegative
     tokenizer_type: Literal["byte", "huggingface", "sentencepiece"]
     tokenizer_path: str
     add_bos: bool
@@ -139,24 +173,24 @@ class Config(BaseModel):
     packing: bool
     packing_cross_document_attention: bool
     enable_data_shuffling: bool
-    shuffle_window_pieces: int
-    grain_worker_count: int
-    grain_read_threads: int
-    grain_per_worker_buffer_size: int
-    eval_interval: int
-    eval_steps: int
-    synthetic_vocab_size: int
-    synthetic_noise: float
+    shuffle_window_pieces: NonNegative
+    grain_worker_count: NonNegative
+    grain_read_threads: NonNegative
+    grain_per_worker_buffer_size: Count
+    eval_interval: NonNegative
+    eval_steps: Count
+    synthetic_vocab_size: Count
+    synthetic_noise: Probability
     # parallelism
-    ici_data_parallelism: int
-    ici_fsdp_parallelism: int
-    ici_expert_parallelism: int
-    ici_tensor_parallelism: int
-    dcn_data_parallelism: int
-    dcn_fsdp_parallelism: int
-    dcn_expert_parallelism: int
-    dcn_tensor_parallelism: int
-    logical_axis_rules: list[tuple[str, list[str]]]
+    ici_data_parallelism: CountOrMinusOne
+    ici_fsdp_parallelism: CountOrMinusOne
+    ici_expert_parallelism: CountOrMinusOne
+    ici_tensor_parallelism: CountOrMinusOne
+    dcn_data_parallelism: CountOrMinusOne
+    dcn_fsdp_parallelism: CountOrMinusOne
+    dcn_expert_parallelism: CountOrMinusOne
+    dcn_tensor_parallelism: CountOrMinusOne
+    logical_axis_rules: list[Annotated[tuple[str, list[str]], Strict(False)]]
 
     # ---- derived values: computed here and nowhere else ----
     @property
@@ -209,49 +243,30 @@ def _require(condition: bool, key: str, message: str) -> None:
 
 
 def check_rules(c: Config) -> None:
-    """Cross-field rules: combinations that cannot run, each reported with its key."""
-    for key in ("steps", "log_period", "per_device_batch_size", "gradient_accumulation_steps"):
-        _require(getattr(c, key) >= (0 if key == "steps" else 1), key, f"must be positive, got {getattr(c, key)}")
-    _require(c.max_target_length >= 2, "max_target_length", "must be at least 2")
-    _require(c.warmup_steps >= 0, "warmup_steps", "must be >= 0")
-    _require(
-        c.learning_rate_schedule_steps == -1 or c.learning_rate_schedule_steps >= 1,
-        "learning_rate_schedule_steps",
-        "must be >= 1 or -1 (= steps)",
-    )
+    """Cross-field rules: combinations that cannot run, each reported with its key. (A single
+    key's range is in its annotation in ``Config``.)"""
     if c.dataset_type == "synthetic":  # other types check vocab_size against their tokenizer
         _require(c.vocab_size >= c.synthetic_vocab_size, "synthetic_vocab_size", "must not exceed vocab_size")
-    _require(0 <= c.synthetic_noise <= 1, "synthetic_noise", "must be a probability in [0, 1]")
-    for key in (
-        "builtin_max_files",
-        "shuffle_window_pieces",
-        "grain_worker_count",
-        "grain_read_threads",
-        "eval_interval",
-    ):
-        _require(getattr(c, key) >= 0, key, f"must be >= 0, got {getattr(c, key)}")
-    for key in ("grain_per_worker_buffer_size", "eval_steps"):
-        _require(getattr(c, key) >= 1, key, f"must be >= 1, got {getattr(c, key)}")
     _require(
-        0 <= c.first_num_dense_layers <= c.base_num_decoder_layers,
+        c.first_num_dense_layers <= c.base_num_decoder_layers,
         "first_num_dense_layers",
         f"must be between 0 and base_num_decoder_layers ({c.base_num_decoder_layers})",
     )
     _require(c.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "must be even (rotary pairs)")
-    _require(c.rope_factor >= 1, "rope_factor", "must be >= 1")
-    _require(c.num_experts >= 1, "num_experts", "must be >= 1")
+    if c.rope_type == "yarn":  # frequencies between the two rotation counts are interpolated
+        _require(c.beta_fast > c.beta_slow, "beta_fast", f"must exceed beta_slow ({c.beta_slow})")
     _require(
-        1 <= c.num_experts_per_tok <= c.num_experts,
+        c.num_experts_per_tok <= c.num_experts,
         "num_experts_per_tok",
         f"top-k {c.num_experts_per_tok} must be between 1 and num_experts ({c.num_experts})",
     )
     _require(
-        c.n_routing_groups >= 1 and c.num_experts % c.n_routing_groups == 0,
+        c.num_experts % c.n_routing_groups == 0,
         "n_routing_groups",
         f"{c.n_routing_groups} groups do not divide num_experts ({c.num_experts})",
     )
     _require(
-        1 <= c.topk_routing_group <= c.n_routing_groups,
+        c.topk_routing_group <= c.n_routing_groups,
         "topk_routing_group",
         f"must be between 1 and n_routing_groups ({c.n_routing_groups})",
     )
@@ -266,14 +281,6 @@ def check_rules(c: Config) -> None:
         "capacity_factor",
         f"must be -1 (dropless) or > 0 (token-dropping baseline), got {c.capacity_factor}",
     )
-    _require(c.mtp_num_layers >= 0, "mtp_num_layers", "must be >= 0")
-    _require(c.checkpoint_period >= 1, "checkpoint_period", f"must be >= 1, got {c.checkpoint_period}")
-    _require(
-        c.max_num_checkpoints_to_keep >= 1 or c.max_num_checkpoints_to_keep == -1,
-        "max_num_checkpoints_to_keep",
-        f"must be >= 1 or -1 (keep all), got {c.max_num_checkpoints_to_keep}",
-    )
-    _require(c.moe_min_block_rows >= 1, "moe_min_block_rows", "must be >= 1")
     halvings = c.moe_block_rows // c.moe_min_block_rows
     _require(
         halvings >= 1 and c.moe_block_rows % c.moe_min_block_rows == 0 and halvings & (halvings - 1) == 0,
@@ -281,8 +288,6 @@ def check_rules(c: Config) -> None:
         f"must be moe_min_block_rows ({c.moe_min_block_rows}) times a power of two, got {c.moe_block_rows}",
     )
     for kind, values in (("ici", c.ici_parallelism()), ("dcn", c.dcn_parallelism())):
-        for axis, value in zip(MESH_AXES, values, strict=True):
-            _require(value >= 1 or value == -1, f"{kind}_{axis}_parallelism", f"must be >= 1 or -1 (fill), got {value}")
         _require(values.count(-1) <= 1, f"{kind}_*_parallelism", "at most one axis may be -1 (fill)")
     _require(
         -1 not in c.ici_parallelism() or -1 not in c.dcn_parallelism(),
@@ -307,12 +312,40 @@ def check_rules(c: Config) -> None:
 
 # ---------------------------------------------------------------- loading
 
+_BOOL, _FLOAT = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:float"
+# YAML 1.2 floats: 1e-4 and 1.5E3 too (YAML 1.1 wants a dot and a signed exponent); integers stay ints.
+_FLOAT_RE = re.compile(
+    r"^(?:[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)?|[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
+    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+)
+
+
+class _Yaml(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's booleans (true/false only: ``yes``, ``on`` stay
+    strings, which a bool key then refuses) and floats (``1e-4`` is a number)."""
+
+    yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_BOOL, _FLOAT)]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+
+
+_Yaml.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_Yaml.add_implicit_resolver(_FLOAT, _FLOAT_RE, list("-+0123456789."))
+
+
+class _YamlDumper(yaml.SafeDumper):
+    """Quotes a string that either reading (YAML 1.1 or ``_Yaml``) would take for another type."""
+
+
+_YamlDumper.add_implicit_resolver(_FLOAT, _FLOAT_RE, list("-+0123456789."))
+
 
 def _read_yml(path: Path, what: str) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{what} not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_Yaml) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{what} {path} is not valid YAML: {str(err).splitlines()[0]}") from None
     if not isinstance(data, dict):
@@ -339,7 +372,7 @@ def _parse_value(key: str, text: str) -> Any:
     if not text or (field is not None and field.annotation is str):
         return text
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_Yaml)
     except yaml.YAMLError:
         return text
 
@@ -360,7 +393,8 @@ def _parse_args(argv: list[str]) -> tuple[list[Path], dict[str, Any]]:
 def _first_error(err: ValidationError) -> str:
     first = err.errors()[0]
     key = ".".join(str(p) for p in first["loc"]) or "?"
-    return f"config key '{key}': {first['msg'].lower()} (got {first.get('input')!r})"
+    message = first["msg"].lower().removeprefix("value error, ")
+    return f"config key '{key}': {message} (got {first.get('input')!r})"
 
 
 def default_run_name(model_name: str) -> str:
@@ -422,4 +456,4 @@ def config_to_yaml(config: Config, runtime: dict[str, Any] | None = None) -> str
     data["logical_axis_rules"] = [[name, list(axes)] for name, axes in config.logical_axis_rules]
     if runtime:
         data[RUNTIME_SECTION] = runtime
-    return yaml.safe_dump(data, sort_keys=False)
+    return yaml.dump(data, Dumper=_YamlDumper, sort_keys=False)

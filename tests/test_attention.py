@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from conftest import make_config
 
-from MaxText.layers.attention import MLA, attention_mask
+from MaxText.layers.attention import MLA
+from MaxText.layers.attention_ops import attention_mask
 
 B, S = 2, 8
 
@@ -146,8 +147,13 @@ def test_shapes(q_lora_rank):
 
 @pytest.mark.parametrize(
     "overrides",
-    [(), ("q_lora_rank=0",), ("rope_interleave=false", "rope_type=default")],
-    ids=["qlora", "no_qlora", "halves_plain_rope"],
+    [
+        (),
+        ("q_lora_rank=0",),
+        ("rope_interleave=false", "rope_type=default"),
+        ("attention=flash", "attention_block_q=3", "attention_block_kv=5"),  # blocks that do not divide S
+    ],
+    ids=["qlora", "no_qlora", "halves_plain_rope", "flash"],
 )
 def test_forward_matches_reference(overrides):
     cfg, p, f = setup(*overrides)

@@ -1,5 +1,6 @@
 """Orbax checkpoints of the train state: round trip, resharding, damaged and interrupted saves,
-shape mismatches and warm start, on 8 simulated devices (fsdp 2 x expert 4)."""
+shape mismatches and warm start, on 8 simulated devices (fsdp 2 x expert 4); and agreement on
+the restored step when one process of a two-process job cannot read the newest one."""
 
 import functools
 import os
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_config
+from test_preemption import run_processes
 
 from MaxText.checkpointing import CheckpointError, Checkpoints, load_parameters
 from MaxText.models.deepseek import DeepSeekV3
@@ -142,3 +144,50 @@ def test_relative_output_directory(tmp_path, monkeypatch):
     assert (tmp_path / "outputs/run/checkpoints/5/state").is_dir()
     assert Checkpoints(Path("outputs/run/checkpoints"), config).restore_latest(abstract).step == 5
     assert jax.tree.leaves(load_parameters("outputs/run/checkpoints/5", abstract.params))
+
+
+# Two processes save steps 1 and 2 of an array split over both (each writes its own shards under
+# state/ocdbt.process_<i>/ and reads only those back); then process 1 truncates its own data file of
+# step 2. Process 0 alone still reads step 2, process 1 only step 1: the state that runs on must be
+# step 1 on both (before the agreement, process 0 restored step 2 and process 1 step 1).
+AGREEMENT = """
+import sys
+from pathlib import Path
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
+from MaxText.checkpointing import Checkpoints
+from MaxText.config import load_config
+
+directory, config = Path(sys.argv[3]), load_config(["run_name=t"])
+split = NamedSharding(jax.make_mesh((4,), ("x",)), PartitionSpec("x"))
+values = lambda step: np.random.default_rng(step).standard_normal((8, 4096), np.float32)
+state = lambda step: {"w": jax.make_array_from_callback((8, 4096), split, lambda index: values(step)[index])}
+saves = Checkpoints(directory, config)
+for step in (1, 2):
+    saves.save(step, state(step), {"position": 11 * step}, config)
+saves.close()
+if jax.process_index() == 1:
+    own = [p for p in (directory / "2" / "state" / "ocdbt.process_1").rglob("*") if p.is_file()]
+    largest = max(own, key=lambda p: p.stat().st_size)
+    with open(largest, "r+b") as f:
+        f.truncate(largest.stat().st_size // 2)
+multihost_utils.sync_global_devices("damaged")
+abstract = {"w": jax.ShapeDtypeStruct((8, 4096), np.float32, sharding=split)}
+restored = Checkpoints(directory, config).restore_latest(abstract)
+same = all(np.array_equal(s.data, values(restored.step)[s.index]) for s in restored.state["w"].addressable_shards)
+print(f"restored={restored.step} data={restored.data_state} same={same}", flush=True)
+"""
+
+
+def test_processes_restore_the_newest_step_that_every_process_reads(tmp_path):
+    directory = tmp_path / "checkpoints"
+    outputs = run_processes(AGREEMENT, str(directory), devices=2)
+    for output in outputs:
+        assert "restored=1 data={'position': 11} same=True" in output, output[-2000:]
+    assert f"process 1: checkpoint {directory / '2'} is unreadable" in outputs[1]
+    assert "unreadable" not in outputs[0]  # process 0 read step 2 and gave it up only to agree
+    assert f"checkpoint {directory / '2'} is not readable on every process; trying step 1" in outputs[0]

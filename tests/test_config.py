@@ -15,8 +15,17 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import make_config
+from pydantic import ValidationError
 
-from MaxText.config import BASE_YML, Config, ConfigError, available_models, load_config, load_config_or_exit
+from MaxText.config import (
+    BASE_YML,
+    Config,
+    ConfigError,
+    available_models,
+    config_to_yaml,
+    load_config,
+    load_config_or_exit,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_MODELS = available_models()
@@ -151,10 +160,144 @@ def test_unknown_key_in_extra_yml_names_key_and_file(tmp_path):
         make_config(str(extra))
 
 
+# ---------------------------------------------------------------- (3b) strict types and ranges
+
+# Values that loaded before types were strict and ranges declared: each must now be refused.
+LOADED_BEFORE = [
+    "learning_rate=-1",
+    "adam_b2=1.5",
+    "routed_bias_update_rate=-0.01",
+    "load_balance_loss_weight=-1",
+    "steps=3.0",
+    "enable_checkpointing=yes",
+]
+REFUSED = [
+    *LOADED_BEFORE,
+    # types: an int is an int, a bool is true/false, a float is a finite number
+    "num_experts=16.0",
+    "steps=1e3",
+    'steps="3"',
+    "log_period=true",
+    "learning_rate=true",
+    "routed_bias=1",
+    "rope_interleave=on",
+    "packing=no",
+    "adam_eps=.inf",
+    "learning_rate=.nan",
+    # ranges
+    "adam_b1=1",
+    "adam_b1=-0.1",
+    "adam_eps=0",
+    "synthetic_noise=1.5",
+    "learning_rate_final_fraction=-0.1",
+    "log_period=0",
+    "per_device_batch_size=0",
+    "seed=-1",
+    "vocab_size=0",
+    "routed_scaling_factor=0",
+    "normalization_layer_epsilon=0",
+    "init_weights_std=-0.02",
+    "rope_factor=0.5",
+    "rope_max_timescale=1",
+    "beta_slow=0",
+    "mtp_loss_scaling_factor=-0.1",
+    "gradient_clipping_threshold=-1",
+    "max_num_checkpoints_to_keep=0",
+    "ici_tensor_parallelism=0",
+    "dcn_data_parallelism=-2",
+    "learning_rate_schedule_steps=0",
+    "preemption_check_period=0",
+    "mtp_num_layers=-1",
+    "shared_experts=-1",
+    "q_lora_rank=-1",
+    "max_target_length=1",
+    "eval_steps=0",
+    "grain_worker_count=-1",
+]
+
+
+@pytest.mark.parametrize("arg", REFUSED)
+def test_wrong_type_or_out_of_range_is_one_line_naming_the_key(arg):
+    with pytest.raises(ConfigError) as info:
+        make_config(arg)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"config key '{arg.partition('=')[0]}': "), message
+
+
+ACCEPTED = {
+    "learning_rate=1e-4": 1e-4,  # YAML 1.1 would read a string
+    "adam_eps=1E-8": 1e-8,
+    "capacity_factor=2": 2.0,  # a float key takes an int
+    "learning_rate=0": 0.0,
+    "adam_b2=0": 0.0,
+    "adam_b1=0.999": 0.999,
+    "synthetic_noise=1": 1.0,
+    "gradient_clipping_threshold=0": 0.0,
+    "routed_bias_update_rate=0": 0.0,
+    "enable_checkpointing=false": False,
+    "enable_checkpointing=True": True,
+    "packing=FALSE": False,
+    "ici_fsdp_parallelism=-1": -1,
+    "max_num_checkpoints_to_keep=-1": -1,
+    "learning_rate_schedule_steps=-1": -1,
+    "rope_factor=1": 1.0,
+    "steps=0": 0,
+    "run_name=1e-4": "1e-4",  # string keys keep the text
+}
+
+
+@pytest.mark.parametrize("arg, value", ACCEPTED.items(), ids=ACCEPTED.keys())
+def test_values_at_the_edge_of_their_range_load(arg, value):
+    got = getattr(make_config(arg), arg.partition("=")[0])
+    assert got == value and type(got) is type(value)
+
+
+def test_yml_files_are_strict_too(tmp_path):
+    extra = tmp_path / "extra.yml"
+    extra.write_text("learning_rate: 1e-4\nadam_b2: 0.999\n")
+    assert make_config(str(extra)).learning_rate == 1e-4
+    for line, key in (("enable_checkpointing: yes", "enable_checkpointing"), ("steps: 3.0", "steps")):
+        extra.write_text(line + "\n")
+        with pytest.raises(ConfigError, match=f"^config key '{key}'"):
+            make_config(str(extra))
+
+
+def _wrong_values(annotation) -> list:
+    return {int: [3.0, True, "3"], float: [True, "0.5", float("inf")], bool: [1, "yes", "on"]}.get(annotation, [])
+
+
+@pytest.mark.parametrize("model", SHIPPED_MODELS)
+def test_every_scalar_key_is_strict(model):
+    """Over every field of the schema as it stands, so keys added later are covered: an int,
+    float or bool key refuses the wrong types, naming the key; a float key takes an int."""
+    good = make_config(model=model).model_dump()
+    checked = 0
+    for key, field in Config.model_fields.items():
+        for wrong in _wrong_values(field.annotation):
+            with pytest.raises(ValidationError) as info:
+                Config(**{**good, key: wrong})
+            assert info.value.errors()[0]["loc"] == (key,), (key, wrong)
+            checked += 1
+        if field.annotation is float and float(int(good[key])) == good[key]:
+            assert Config(**{**good, key: int(good[key])}) == Config(**good)
+    assert checked >= 3 * 80
+
+
+@pytest.mark.parametrize("model", SHIPPED_MODELS)
+def test_saved_config_loads_back_unchanged(model, tmp_path):
+    """config.yml as a run saves it (with its runtime section), strings that look like numbers or
+    YAML 1.1 booleans included, is a valid extra yml that gives back the same config."""
+    tricky = ("run_name=1e-4", "dataset_name=yes", "dataset_text_field=on", "train_split=1.5", "eval_split=true")
+    config = make_config(*tricky, model=model)
+    saved = tmp_path / "config.yml"
+    saved.write_text(config_to_yaml(config, {"num_processes": 1, "num_devices": 8}))
+    assert load_config([str(saved)]) == config
+
+
 # ---------------------------------------------------------------- (4) entry-point behaviour in process
 
 
-@pytest.mark.parametrize("arg", ["num_expert=4", "steps=abc", "capacity_factor=-2"])
+@pytest.mark.parametrize("arg", ["num_expert=4", "steps=abc", "capacity_factor=-2", *LOADED_BEFORE])
 def test_load_config_or_exit_exits_2_with_one_stderr_line(arg, capsys):
     with pytest.raises(SystemExit) as info:
         load_config_or_exit(["run_name=t", arg])
@@ -179,6 +322,7 @@ def test_load_config_or_exit_returns_the_config_when_valid():
         ("steps=abc", "steps"),
         ("model_name=deepseek-v3", "model_name"),
         ("moe_matmul=te", "requirements-gpu.txt"),  # Transformer Engine does not import on a CPU install
+        ("enable_checkpointing=yes", "enable_checkpointing"),
     ],
 )
 def test_train_entry_point_exits_2_without_traceback(arg, key, tmp_path):

@@ -5,6 +5,11 @@ global batch picks the same expert (all of its copies land on one device), for e
 every exchange that runs on CPU. ``ragged_all_to_all`` is not implemented by XLA:CPU, so its test
 runs the exchange's own code against an emulation of the collective built from ``all_gather``
 (``emulated_ragged_all_to_all``, written from the collective's documented semantics).
+
+``all_to_all`` runs with the default buffers (one round holds any routing here) and with buffers
+a quarter of the balanced share, as ``ragged_all_to_all`` does (a pair's slot holds 2 of the 8
+rows all-to-one routing sends it), so that only the overflow rounds make them dropless; and on
+expert 2 x tensor 2 x fsdp 2, where the tokens are split over tensor inside the exchange.
 """
 
 import functools
@@ -18,7 +23,9 @@ import pytest
 
 from MaxText.config import ConfigError
 from MaxText.moe.block import MoEBlock
+from MaxText.moe.expert_parallel import exchange_buffer_bytes, exchange_plan, exchange_token_axes
 from MaxText.moe.experts import check_backend
+from MaxText.moe.te_exchange import rank_tokens
 from MaxText.parallel.mesh import make_mesh
 from MaxText.parallel.sharding import axis_rules
 from tests.conftest import make_config
@@ -63,39 +70,63 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
     return output
 
 
+def backend_config(backend: str, *overrides: str):
+    return make_config(f"moe_matmul={backend}", "moe_block_rows=8", "moe_min_block_rows=2", *overrides)
+
+
 @functools.cache
-def compiled(backend: str, exchange: str):
-    """(config, params, one-device step, expert-parallel step), compiled once per backend and exchange."""
-    config = make_config(
-        f"moe_matmul={backend}", f"moe_ep_comm={exchange}", "moe_block_rows=8", "moe_min_block_rows=2", *MESH
-    )
+def one_device(backend: str):
+    """(params, one-device step), compiled once per backend: without a mesh the exchange keys
+    and the mesh shape play no part."""
+    config = backend_config(backend)
+    return random_params(config), jax.jit(partial(block_and_grads, config))
+
+
+@functools.cache
+def compiled(backend: str, exchange: str, *overrides: str):
+    """(config, params, one-device step, expert-parallel step), compiled once per case."""
+    config = backend_config(backend, f"moe_ep_comm={exchange}", *(overrides or MESH))
     fn = partial(block_and_grads, config)
     mesh = make_mesh(config, jax.devices())
-    params, jitted = random_params(config), jax.jit(fn)
+    params, reference = one_device(backend)
+    jitted = jax.jit(fn)
 
     def expert_parallel(*args):
         with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)):
-            assert "shard_map" in str(jax.make_jaxpr(fn)(*args))  # the expert-parallel path is taken
+            jaxpr = str(jax.make_jaxpr(fn)(*args))
+            assert "shard_map" in jaxpr  # the expert-parallel path is taken
+            # The group agrees on its fullest pair (a pmax) only where C < T makes overflow rounds possible.
+            assert ("pmax" in jaxpr) == (config.moe_ep_buffer_factor < 1)
             return jitted(*args)
 
-    return config, params, jax.jit(fn), expert_parallel
+    return config, params, reference, expert_parallel
 
 
+# A pair's slot holds C = ceil(factor * T * min(K, ep) / ep) rows: T = 64 tokens / 8 devices,
+# K = 4, ep = 4 gives a balanced share of 8 rows, so factor 0.25 makes C = 2 and 4 rounds.
+SMALL_BUFFERS = (*MESH, "moe_ep_buffer_factor=0.25")
+TENSOR_MESH = ("ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "ici_tensor_parallelism=2")
 CASES = [
     ("blocked", "allgather"),
     ("ragged_dot", "allgather"),
-    ("blocked", "all_to_all"),
-    ("ragged_dot", "all_to_all"),
-    ("blocked", "ragged_all_to_all"),
+    ("blocked", "all_to_all"),  # the default factor: C = T, any routing in one round
+    ("ragged_dot", "all_to_all", *SMALL_BUFFERS),
+    ("blocked", "ragged_all_to_all", *SMALL_BUFFERS),
+    ("blocked", "all_to_all", *TENSOR_MESH, "moe_ep_buffer_factor=0.5"),  # C = 4 of 8: overflows too
+]
+IDS = [
+    "-".join(c[:2]) + ("-small_buffers" if SMALL_BUFFERS[-1] in c else "-tensor" if TENSOR_MESH[-1] in c else "")
+    for c in CASES
 ]
 
 
-@pytest.mark.parametrize("backend, exchange", CASES, ids=["-".join(c) for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
 @pytest.mark.parametrize("kind", ["balanced", "zipf", "all_to_one"])
-def test_expert_parallel_matches_one_device(kind, backend, exchange, monkeypatch):
+def test_expert_parallel_matches_one_device(kind, case, monkeypatch):
+    backend, exchange, *overrides = case
     if exchange == "ragged_all_to_all":
         monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
-    config, params, one_device, expert_parallel = compiled(backend, exchange)
+    config, params, one_device, expert_parallel = compiled(backend, exchange, *overrides)
     x = jnp.asarray(np.random.default_rng(7).standard_normal((B, S, config.emb_dim)), jnp.float32)
     bias = jnp.asarray(routing_bias(kind, config.num_experts), jnp.float32)
 
@@ -115,3 +146,66 @@ def test_gpu_only_exchanges_are_refused_on_cpu_with_a_reason(exchange):
     config = make_config(f"moe_ep_comm={exchange}", *MESH)
     with pytest.raises(ConfigError, match=f"'moe_ep_comm': '?{exchange}'? .*(GPU|Transformer Engine)"):
         check_backend(config, "cpu")
+
+
+def test_small_buffers_overflow_by_hand():
+    """The premise of the small-buffer cases: 8 tokens per device, top-4 over 4 devices, factor 1/4
+    gives pairs of C = 2 rows and 4 rounds, while all-to-one routing sends 8 rows over one pair
+    (so only the overflow rounds can make the exchange dropless); on expert 2 x tensor 2 x fsdp 2
+    a device holds 64 / 8 tokens, top-4 over 2 devices, factor 1/2: C = 4, 2 rounds."""
+    assert exchange_plan(tokens=8, top_k=4, ep=4, factor=0.25) == (2, 4)
+    assert exchange_plan(tokens=8, top_k=4, ep=2, factor=0.5) == (4, 2)
+    assert exchange_plan(tokens=8, top_k=4, ep=4, factor=2.0) == (8, 1)  # the default: one round
+
+
+def test_exchange_buffer_bytes_by_hand():
+    """DeepSeek-V3 671B on ep 64 with 4,096 tokens per device, top-8, D 7,168, bf16."""
+    config = make_config("dtype=bfloat16", model="deepseek3-671b")
+    T, ep, D, bf16 = 4096, 64, 7168, 2
+    # Balanced share T * min(K, ep) / ep = 512 rows per pair; factor 2: C = 1,024; 4 rounds hold T.
+    # Slots: ep of C + 1 rows. Packed send layout: T * min(K, ep) rows and a zero row.
+    slots, worst_slots, packed = 64 * 1025, 64 * 4097, 4096 * 8 + 1
+    # Tokens out and in, outputs out and back, and the gradient of each: 8 buffers.
+    assert exchange_buffer_bytes(config, T, ep, "ragged_all_to_all") == {
+        "rows_per_pair": 1024,
+        "rounds": 4,
+        "buffer_rows": 4 * packed + 4 * slots,
+        "buffer_bytes": (4 * packed + 4 * slots) * D * bf16,  # 5.64 GB
+        "worst_case_bytes": (4 * packed + 4 * worst_slots) * D * bf16,  # 16.92 GB: slots of T
+    }
+    all_to_all = exchange_buffer_bytes(config, T, ep, "all_to_all")  # slots on the send side too
+    assert (all_to_all["buffer_bytes"], all_to_all["worst_case_bytes"]) == (
+        8 * slots * D * bf16,  # 7.52 GB
+        8 * worst_slots * D * bf16,  # 30.07 GB: what slots of T on both sides cost
+    )
+    worst = make_config("dtype=bfloat16", "moe_ep_buffer_factor=8", model="deepseek3-671b")  # 8 = ep / min(K, ep)
+    one_round = exchange_buffer_bytes(worst, T, ep, "all_to_all")
+    assert (one_round["rows_per_pair"], one_round["rounds"]) == (T, 1)
+    assert one_round["buffer_bytes"] == one_round["worst_case_bytes"]
+    gathered = exchange_buffer_bytes(config, T, ep, "allgather")  # the group's tokens and outputs, and gradients
+    assert gathered["buffer_bytes"] == gathered["worst_case_bytes"] == 4 * 64 * 4096 * D * bf16
+    with pytest.raises(ValueError, match="te"):
+        exchange_buffer_bytes(config, T, ep, "te")
+
+
+def test_tokens_are_split_over_tensor_inside_the_exchange():
+    config = make_config(*TENSOR_MESH)
+    with jax.set_mesh(make_mesh(config, jax.devices())), nn.logical_axis_rules(axis_rules(config)):
+        assert exchange_token_axes(64, "expert") == ("data", "fsdp", "expert", "tensor")
+        assert exchange_token_axes(12, "expert") == ("data", "fsdp", "expert")  # 12 tokens do not split 8 ways
+    # Transformer Engine keeps the rules' split: a rank holds tensor x the tokens per device.
+    assert rank_tokens(64, {"data": 1, "fsdp": 2, "expert": 2, "tensor": 2}, ("data", "fsdp", "expert")) == 16
+
+
+def test_buffer_factor_must_be_positive():
+    with pytest.raises(ConfigError, match="moe_ep_buffer_factor"):
+        make_config("moe_ep_buffer_factor=0")
+
+
+def test_model_stats_shows_the_exchange_buffers(capsys):
+    from tools.model_stats import main
+
+    main(["model_name=deepseek3-671b", "ici_expert_parallelism=64", "moe_ep_comm=ragged_all_to_all"])
+    table = capsys.readouterr().out
+    assert "(ragged_all_to_all, ep 64, 4,096 tokens per device, bfloat16)" in table
+    assert "5.64" in table and "16.92" in table  # the by-hand figures above, in GB

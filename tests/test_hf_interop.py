@@ -155,11 +155,15 @@ RELEASE_CONFIG = {  # DeepSeek-V3's released config.json (its architecture field
 
 def test_release_config_maps_to_the_671b_overlay_and_its_tensor_shapes():
     from MaxText.hf.config_map import config_from_hf, hf_config
-    from MaxText.hf.convert import matching_model_name
+    from MaxText.hf.convert import load_overlay, matching_model_name
 
     arch = config_from_hf(RELEASE_CONFIG, mtp_layers=1)
     assert matching_model_name(arch) == "deepseek3-671b"
-    config = load_config(["model_name=deepseek3-671b", "run_name=t"])
+    # The converted overlay keeps the checkpoint's YaRN over the 671B overlay's pretraining RoPE.
+    converted = load_overlay({"model_name": "deepseek3-671b", **arch}, Path("release"))
+    assert (converted.rope_type, converted.rope_factor, converted.model_name) == ("yarn", 40, "deepseek3-671b")
+    assert load_config(["model_name=deepseek3-671b", "run_name=t"]).rope_type == "default"
+    config = load_config(["model_name=deepseek3-671b", "run_name=t", "rope_type=yarn"])
     table = hf_table(config)
     # embedding, norm, head; dense layers (2 norms, 7 attention, 3 MLP); MoE layers (+ router, bias, shared, experts); MTP
     assert len(table) == 3 + 3 * 12 + 58 * (14 + 3 * 256) + (4 + 14 + 3 * 256) == 46181

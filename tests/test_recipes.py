@@ -28,6 +28,8 @@ from MaxText.train.state import dummy_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 SBATCH = sorted((REPO / "recipes" / "slurm").glob("*.sbatch"))
+# The GPU layouts (one task per GPU); smoke.sbatch runs on any nodes (tests/test_slurm_cluster.py runs it).
+GPU_SBATCH = [p for p in SBATCH if re.search(r"^#SBATCH --gpus-per-task=", p.read_text(), re.M)]
 K8S = sorted((REPO / "recipes" / "k8s").glob("*.yaml"))
 NVL72_GPUS = 72
 
@@ -70,7 +72,12 @@ def _exported(text: str) -> set[str]:
 
 
 def test_recipes_are_shipped():
-    assert [p.name for p in SBATCH] == ["deepseek3-671b-gb200-nvl72.sbatch", "deepseek3-small-1gpu.sbatch"]
+    assert [p.name for p in SBATCH] == [
+        "deepseek3-671b-gb200-nvl72.sbatch",
+        "deepseek3-small-1gpu.sbatch",
+        "smoke.sbatch",
+    ]
+    assert [p.name for p in GPU_SBATCH] == ["deepseek3-671b-gb200-nvl72.sbatch", "deepseek3-small-1gpu.sbatch"]
     assert [p.name for p in K8S] == ["deepseek3-671b-gb300-nvl72.yaml"]
 
 
@@ -88,7 +95,7 @@ def test_sbatch_directives_precede_the_first_command(path):
     assert all(i < first_command for i, line in enumerate(lines) if line.startswith("#SBATCH"))
 
 
-@pytest.mark.parametrize("path", SBATCH, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", GPU_SBATCH, ids=lambda p: p.name)
 def test_sbatch_layout_validates_and_fills_its_gpus(path):
     text = path.read_text()
     opts = _sbatch_options(text)
@@ -107,12 +114,18 @@ def test_sbatch_layout_validates_and_fills_its_gpus(path):
 
 @pytest.mark.parametrize("path", SBATCH, ids=lambda p: p.name)
 def test_sbatch_launch_gives_each_process_exactly_its_gpu(path):
+    """srun takes tasks and GPUs per task from the job, so that sbatch's command line can change
+    them; it runs in the image unless PYTHON names an interpreter on the nodes."""
     text = path.read_text()
     srun = re.search(r"^srun\b.*?MaxText\.train", text, re.M | re.S)
     assert srun, "no srun ... python -m MaxText.train"
-    assert "--gpus-per-task=1" in srun.group(0) and "--container-image=" in srun.group(0)
+    assert not re.search(r"--(nodes|ntasks|ntasks-per-node|gpus|gpus-per-task)=", srun.group(0))
+    assert '"${CONTAINER_FLAGS[@]}"' in srun.group(0) and '"${PYTHON:-python}" -m MaxText.train' in srun.group(0)
+    container = re.search(r"^  CONTAINER_FLAGS=\($.*?^  \)$", text, re.M | re.S)
+    assert container and "--container-image=" in container.group(0)
     assert '"${TRAIN_ARGS[@]}"' in text[srun.end() :].splitlines()[0]
-    if int(_sbatch_options(text)["ntasks-per-node"]) > 1:
+    opts = _sbatch_options(text)
+    if int(opts.get("ntasks-per-node", opts.get("ntasks", "1"))) > 1:
         # A task's one GPU is its device 0; jax.distributed would otherwise pick device SLURM_LOCALID.
         assert re.search(r"^export JAX_LOCAL_DEVICE_IDS=0$", text, re.M)
 
@@ -218,7 +231,7 @@ def test_k8s_pods_claim_nvlink_and_shared_memory(path):
 
 # ---------------------------------------------------------------- parameter shardings
 
-RECIPES = [*SBATCH, *K8S]
+RECIPES = [*GPU_SBATCH, *K8S]
 # Keys that place the run, build the mesh or map logical axes onto it; the boxed parameter tree (shapes
 # and logical axis names) does not depend on them.
 _NOT_MODEL_KEYS = {"run_name", "base_output_directory", "logical_axis_rules"} | {

@@ -31,8 +31,21 @@ def yarn_reference(dim, theta, factor, orig_len, beta_fast, beta_slow):
     return out, low, high
 
 
-def test_yarn_inv_freq_671b():
+# The release's context extension (the 671B overlay pretrains with plain RoPE; converted checkpoints keep it).
+RELEASE_YARN = ("rope_type=yarn",)
+
+
+def test_671b_pretrains_with_plain_rope():
+    """DeepSeek-V3 pretrained at 4K with plain RoPE; YaRN came with the context extension (report 4.3)."""
     cfg = make_config(model="deepseek3-671b")
+    assert cfg.rope_type == "default"
+    np.testing.assert_allclose(np.asarray(rope_inv_freq(cfg)), 10000.0 ** (-np.arange(0, 64, 2) / 64), rtol=1e-12)
+    assert softmax_scale(cfg) == pytest.approx(192**-0.5, rel=1e-12)
+    assert make_config(model="deepseek3-small").rope_type == "default"
+
+
+def test_yarn_inv_freq_671b():
+    cfg = make_config(*RELEASE_YARN, model="deepseek3-671b")
     assert cfg.rope_type == "yarn" and cfg.qk_rope_head_dim == 64 and cfg.rope_factor == 40
     ref, low, high = yarn_reference(64, 10000.0, 40.0, 4096, 32.0, 1.0)
     assert (low, high) == (10, 23)  # the correction range quoted in the reference doc
@@ -75,7 +88,7 @@ def test_default_rope_is_plain():
 
 
 def test_mscale_and_softmax_scale_671b():
-    cfg = make_config(model="deepseek3-671b")
+    cfg = make_config(*RELEASE_YARN, model="deepseek3-671b")
     m = 0.1 * 1.0 * math.log(40) + 1
     assert yarn_mscale(40, 1.0) == pytest.approx(m, rel=1e-12)
     assert yarn_mscale(1, 1.0) == 1.0

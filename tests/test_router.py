@@ -198,3 +198,24 @@ def test_sequence_balance_loss_gradient():
     total = scores.sum(-1, keepdims=True)
     want = (f / total - (scores * f).sum(-1, keepdims=True) / total**2) / S
     np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-7)
+
+
+def test_padding_takes_no_part_in_loads_and_balance_loss():
+    """Masked tokens are left out of the counts and of both f and P (per-sequence token counts)."""
+    B, S, E, K = 2, 6, 8, 2
+    rng = np.random.default_rng(15)
+    scores = 1 / (1 + np.exp(-rng.standard_normal((B, S, E))))
+    experts = np.argsort(rng.standard_normal((B, S, E)), axis=-1)[..., :K]
+    valid = np.array([[1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0]], bool)
+    got = np.asarray(tokens_per_expert(jnp.asarray(experts.reshape(B * S, K)), E, jnp.asarray(valid.reshape(-1))))
+    np.testing.assert_array_equal(got, np.bincount(experts[valid].ravel(), minlength=E))
+    masked = float(jax.jit(sequence_balance_loss)(jnp.asarray(scores, jnp.float32), jnp.asarray(experts), valid))
+    per_sequence = [reference_balance_loss(scores[b : b + 1, valid[b]], experts[b : b + 1, valid[b]]) for b in range(B)]
+    assert masked == pytest.approx(np.mean(per_sequence), rel=1e-5)
+    unmasked = float(balance_loss(jnp.asarray(scores, jnp.float32), jnp.asarray(experts)))
+    assert abs(unmasked - masked) > 1e-3  # the padding would have counted
+    # A sequence of padding alone contributes 0 but still counts in the mean over sequences.
+    none = valid.copy()
+    none[1] = False
+    alone = float(jax.jit(sequence_balance_loss)(jnp.asarray(scores, jnp.float32), jnp.asarray(experts), none))
+    assert alone == pytest.approx(per_sequence[0] / 2, rel=1e-5)

@@ -7,7 +7,7 @@ from jax.sharding import PartitionSpec as P
 from MaxText.config import ConfigError
 from MaxText.models.deepseek import DeepSeekV3
 from MaxText.parallel.mesh import make_mesh, mesh_shape
-from MaxText.parallel.sharding import logical_to_shardings
+from MaxText.parallel.sharding import logical_to_shardings, parameter_mesh_axes
 from MaxText.train.state import dummy_inputs
 from tests.conftest import make_config
 
@@ -50,7 +50,25 @@ def test_parameters_land_on_their_mesh_axes():
     assert moe["wi_0"].spec == P(None, "expert", "fsdp", "tensor")  # [layers, exp, embed, mlp]
     assert moe["wo"].spec == P(None, "expert", "tensor", "fsdp")  # [layers, exp, mlp, embed]
     assert shardings["token_embedding"].spec == P("tensor", ("fsdp", "expert"))  # [vocab, embed]
-    assert shardings["moe_layers"]["layers"]["attention"]["wkv_b"].spec[1] == "fsdp"  # kv_lora
+    # The MLA up-projections split their latent dim over fsdp x expert (32 / 8 divides) ...
+    attention = shardings["moe_layers"]["layers"]["attention"]
+    assert attention["wkv_b"].spec == P(None, ("fsdp", "expert"), "tensor", None)  # [layers, kv_lora, heads, head_dim]
+    assert attention["wq_b"].spec == P(None, ("fsdp", "expert"), "tensor", None)
+    # ... and over fsdp alone where fsdp x expert does not divide (kv_lora 36 / 8, 36 / 2 does).
+    fallback = _shardings(make_config("ici_fsdp_parallelism=2", "ici_expert_parallelism=4", "kv_lora_rank=36"))
+    assert fallback["moe_layers"]["layers"]["attention"]["wkv_b"].spec == P(None, "fsdp", "tensor", None)
+
+
+def test_divisibility_fallback_follows_rule_order():
+    rules = (("embed", ("fsdp", "expert")), ("embed", "fsdp"), ("kv_lora", ("fsdp", "expert")), ("kv_lora", "fsdp"))
+    sizes = {"fsdp": 4, "expert": 16}
+    # wkv_a [embed, kv_lora]: embed takes fsdp x expert; kv_lora finds both its axes used and stays whole.
+    assert parameter_mesh_axes(("embed", "kv_lora"), (7168, 576), rules, sizes) == (("fsdp", "expert"), None)
+    # wkv_b's latent 512 divides 64 ways; 36 does not even divide 4 ways, which is an error naming the split.
+    assert parameter_mesh_axes(("kv_lora", None), (512, 3), rules, sizes) == (("fsdp", "expert"), None)
+    assert parameter_mesh_axes(("kv_lora", None), (1020, 3), rules, sizes) == ("fsdp", None)
+    with pytest.raises(ValueError, match=r"4 ways over fsdp \(dim 34\)"):
+        parameter_mesh_axes(("kv_lora", None), (34, 3), rules, sizes)
 
 
 def test_indivisible_split_names_the_parameter():

@@ -91,3 +91,108 @@ def test_peak_table_and_mfu():
     assert figures["tokens_per_s"] == 2000
     assert figures["tflops_per_device"] == pytest.approx(1.0)
     assert figures["mfu"] == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------- padding and accumulation
+
+
+def _padded_batch(config, lengths, seed):
+    """Rows holding one document each of the given lengths, padded (segment id 0) to the sequence
+    length, as ``packing: false`` produces them."""
+    B, S = len(lengths), config.max_target_length
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, config.vocab_size, size=(B, S + 1))
+    real = np.arange(S)[None, :] < np.asarray(lengths)[:, None]
+    return {
+        "inputs": jnp.asarray(np.where(real, tokens[:, :-1], 0), jnp.int32),
+        "targets": jnp.asarray(np.where(real, tokens[:, 1:], 0), jnp.int32),
+        "inputs_position": jnp.asarray(np.where(real, np.arange(S), 0), jnp.int32),
+        "inputs_segmentation": jnp.asarray(real, jnp.int32),
+        "targets_segmentation": jnp.asarray(real, jnp.int32),
+    }
+
+
+def test_padding_is_left_out_of_expert_loads_and_balance_loss():
+    """A padded row gives the same loads and balance loss as its real tokens alone: causal,
+    same-document attention makes their hidden states independent of the padding."""
+    from MaxText.models.deepseek import DeepSeekV3
+    from MaxText.moe.block import BIAS, LOAD, LOSS
+    from MaxText.train.state import dummy_inputs
+
+    config = make_config("dtype=float32", "mtp_num_layers=0")
+    model = DeepSeekV3(config)
+    variables = model.init(jax.random.key(0), *dummy_inputs(config))
+    variables = {"params": variables["params"], BIAS: variables[BIAS]}
+    apply = jax.jit(
+        lambda b: model.apply(
+            variables, b["inputs"], b["inputs_position"], b["inputs_segmentation"], mutable=[LOAD, LOSS]
+        )[1]
+    )
+    n = 23
+    padded = _padded_batch(config, [n], seed=1)
+    alone = {k: v[:, :n] for k, v in padded.items()}
+    stats_padded, stats_alone = apply(padded), apply(alone)
+    load_padded = np.concatenate([np.ravel(x) for x in jax.tree.leaves(stats_padded[LOAD])])
+    np.testing.assert_array_equal(
+        load_padded, np.concatenate([np.ravel(x) for x in jax.tree.leaves(stats_alone[LOAD])])
+    )
+    assert load_padded.sum() == config.num_moe_layers * n * config.num_experts_per_tok
+    np.testing.assert_allclose(jax.tree.leaves(stats_padded[LOSS]), jax.tree.leaves(stats_alone[LOSS]), rtol=1e-5)
+
+
+def test_accumulated_micro_batches_equal_one_big_batch():
+    """Micro-batches with different padding: summed token losses over the whole batch's token
+    count give the big batch's loss and gradients (averaging per-micro-batch means would not)."""
+    from MaxText.models.deepseek import DeepSeekV3
+    from MaxText.parallel.mesh import make_mesh
+    from MaxText.train.state import create_train_state
+    from MaxText.train.step import train_step
+
+    overrides = ("dtype=float32", "per_device_batch_size=4", "ici_fsdp_parallelism=1", "load_balance_loss_weight=0.01")
+    one, two = make_config(*overrides), make_config(*overrides, "gradient_accumulation_steps=2")
+    # split_micro_batches gives rows 0, 2 to the first micro-batch and 1, 3 to the second:
+    # the first is nearly full, the second mostly padding.
+    batch = _padded_batch(one, [64, 9, 60, 5], seed=2)
+    mesh = make_mesh(one, jax.devices()[:1])
+    model = DeepSeekV3(one)
+    # new params = params - 1e4 x gradients: the gradients themselves are compared (the large rate
+    # keeps the parameters' own rounding out of the difference).
+    sgd = optax.sgd(1e4)
+    results = []
+    for config in (one, two):
+        state, _ = create_train_state(model, config, sgd, mesh)
+        step = jax.jit(lambda s, b, c=config: train_step(model, c, sgd, s, b))
+        new_state, metrics = step(state, batch)
+        grads = jax.tree.map(jnp.subtract, state.params, new_state.params)
+        results.append((state.params, grads, jax.device_get(metrics)))
+    (params, grads_1, m_1), (_, grads_2, m_2) = results
+    for key in ("loss", "lm_loss", "mtp_loss", "aux_loss", "grad_norm"):
+        assert m_2[key] == pytest.approx(m_1[key], rel=1e-5), key
+    np.testing.assert_array_equal(
+        m_2["expert_load_max_over_mean_per_layer"], m_1["expert_load_max_over_mean_per_layer"]
+    )
+    for a, b in zip(jax.tree.leaves(grads_1), jax.tree.leaves(grads_2), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * float(np.abs(a).max()))
+    # The old rule, the mean of the two micro-batches' own means, is measurably different here.
+    halves = split_micro_batches(batch, 2)
+    means = [_lm_mean(one, params, {k: v[i] for k, v in halves.items()}) for i in range(2)]
+    assert abs(np.mean(means) - _lm_mean(one, params, batch)) > 1e-3
+
+
+def _lm_mean(config, params, batch):
+    from MaxText.models.deepseek import DeepSeekV3
+    from MaxText.moe.block import BIAS, LOAD, LOSS
+
+    model = DeepSeekV3(config)
+    bias = jax.tree.map(
+        jnp.zeros_like,
+        model.init(jax.random.key(0), batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])[BIAS],
+    )
+    (logits, _), _ = model.apply(
+        {"params": params, BIAS: bias},
+        batch["inputs"],
+        batch["inputs_position"],
+        batch["inputs_segmentation"],
+        mutable=[LOAD, LOSS],
+    )
+    return float(cross_entropy(logits, batch["targets"], (batch["targets_segmentation"] != 0).astype(jnp.float32)))

@@ -28,8 +28,25 @@ from MaxText.models.accounting import (  # noqa: E402
     memory_estimate,
     train_flops,
 )
+from MaxText.moe.expert_parallel import exchange_buffer_bytes  # noqa: E402
+from MaxText.moe.experts import resolve_exchange  # noqa: E402
 
 GB = 1e9
+
+
+def exchange_stats(config: Config) -> dict | None:
+    """The expert-parallel exchange's buffers per MoE layer and device, as they would be on GPU
+    (dtype and ``moe_ep_comm`` resolved for it), when the config splits experts over devices."""
+    ep = config.ici_expert_parallelism * config.dcn_expert_parallelism
+    if ep <= 1:
+        return None
+    config = config.with_platform("gpu")
+    exchange = resolve_exchange(config.moe_ep_comm, "gpu")
+    tokens = config.per_device_batch_size * config.max_target_length
+    stats = {"exchange": exchange, "ep": ep, "tokens_per_device": tokens, "dtype": config.dtype}
+    if exchange != "te":  # Transformer Engine sizes its own buffers
+        stats |= exchange_buffer_bytes(config, tokens, ep, exchange)
+    return stats
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -112,14 +129,37 @@ def render(stats: dict, config: Config) -> str:
     for name, nbytes in stats["memory_bytes"].items():
         note = f"{per_device[name] / GB:,.2f} per device of {stats['devices']}" if per_device else ""
         lines.append(_row(name if name != "optimizer" else "Adam moments", f"{nbytes / GB:,.2f}", note))
+    if x := stats.get("expert_parallel_exchange"):
+        lines += [
+            "",
+            f"expert-parallel exchange per MoE layer and device ({x['exchange']}, ep {x['ep']}, "
+            f"{x['tokens_per_device']:,} tokens per device, {x['dtype']})",
+        ]
+        if x["exchange"] == "allgather":
+            lines.append(_row("buffers", f"{x['buffer_bytes'] / GB:,.2f}", "GB: the group's tokens, gathered"))
+        elif "buffer_bytes" in x:
+            lines += [
+                _row(
+                    "buffers",
+                    f"{x['buffer_bytes'] / GB:,.2f}",
+                    f"GB: {x['rows_per_pair']:,} rows per pair, "
+                    f"up to {x['rounds']} rounds (moe_ep_buffer_factor {c.moe_ep_buffer_factor})",
+                ),
+                _row("worst case, one round", f"{x['worst_case_bytes'] / GB:,.2f}", "GB"),
+            ]
+        else:
+            lines.append("  sized by Transformer Engine (its dropless receive capacity)")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    config = load_config_or_exit(args.config).with_platform("cpu")
+    loaded = load_config_or_exit(args.config)
+    config = loaded.with_platform("cpu")
     counts = count_parameters(config)
     stats = stats_dict(config, counts, train_flops(config, counts), memory_estimate(config), args.devices)
+    if exchange := exchange_stats(loaded):
+        stats["expert_parallel_exchange"] = exchange
     print(json.dumps(stats) if args.json else render(stats, config))
 
 

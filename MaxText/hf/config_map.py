@@ -60,6 +60,17 @@ ARCHITECTURE_KEYS = (
     "topk_routing_group",
     "mtp_num_layers",
 )
+# The architecture keys that describe the context extension (YaRN) rather than the network's shape:
+# a checkpoint keeps its own, while a pretraining overlay of the same shape uses plain RoPE.
+CONTEXT_EXTENSION_KEYS = (
+    "rope_type",
+    "rope_factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "rope_mscale",
+    "rope_mscale_all_dim",
+)
 
 
 def _fail(field: str, message: str) -> HFCheckpointError:

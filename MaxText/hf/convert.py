@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from MaxText.config import ConfigError, available_models, load_config
 from MaxText.hf import HFCheckpointError
-from MaxText.hf.config_map import ARCHITECTURE_KEYS, config_from_hf
+from MaxText.hf.config_map import ARCHITECTURE_KEYS, CONTEXT_EXTENSION_KEYS, config_from_hf
 from MaxText.hf.safetensors_io import SafetensorsFolder
 from MaxText.hf.weights import Slot, abstract_variables, from_hf, hf_table, leaves, mtp_copies
 
@@ -67,10 +67,13 @@ def count_mtp_layers(hf: dict, names: set[str]) -> int:
 
 
 def matching_model_name(arch: dict) -> str | None:
-    """The shipped overlay with exactly this architecture, if any (its training settings then apply)."""
+    """The shipped overlay with exactly this network, if any (its training settings then apply).
+    The context extension is not compared: the checkpoint's config.yml sets its own (YaRN for the
+    release) over the overlay's pretraining RoPE."""
+    shape = {key: value for key, value in arch.items() if key not in CONTEXT_EXTENSION_KEYS}
     for name in available_models():
         config = load_config([f"model_name={name}", "run_name=match"])
-        if all(getattr(config, key) == value for key, value in arch.items()):
+        if all(getattr(config, key) == value for key, value in shape.items()):
             return name
     return None
 

@@ -6,7 +6,9 @@ key (``qk_rope_head_dim``) that is computed once and shared by every head. Each 
 key are ``[nope ; rope]`` parts; values have their own width (``v_head_dim``).
 
 This is the training form (the latent is expanded to per-head keys and values); the
-"absorbed" form that caches only the latent is an inference optimisation.
+"absorbed" form that caches only the latent is an inference optimisation. The softmax attention
+itself is ``attention_ops.attend``, whose backend the ``attention`` key picks; the shared rotary
+key is broadcast to every head before the call (see there why).
 
 Shape legend: B batch, S/T query/key positions, D model dim, H heads, R a low rank,
 K qk head dim, V value head dim.
@@ -17,17 +19,10 @@ import jax
 import jax.numpy as jnp
 
 from MaxText.config import Config
-from MaxText.layers.common import activation_dtype, constrain, float32_or_wider, param
+from MaxText.layers.attention_ops import attend
+from MaxText.layers.common import constrain, param
 from MaxText.layers.norms import RMSNorm
-from MaxText.layers.rotary import apply_rope, softmax_scale
-
-
-def attention_mask(segment_ids_BS: jax.Array) -> jax.Array:
-    """[B, 1, S, S] boolean: causal, and only within the same document (segment id; 0 = padding)."""
-    S = segment_ids_BS.shape[1]
-    causal_SS = jnp.tril(jnp.ones((S, S), dtype=bool))
-    same_BSS = segment_ids_BS[:, :, None] == segment_ids_BS[:, None, :]
-    return (causal_SS[None] & same_BSS)[:, None]
+from MaxText.layers.rotary import apply_rope
 
 
 class MLA(nn.Module):
@@ -60,14 +55,10 @@ class MLA(nn.Module):
         kv_BSHK = jnp.einsum("bsr,rhk->bshk", latent_BSR, wkv_b)
         k_nope, v_BTHV = kv_BSHK[..., :nope], kv_BSHK[..., nope:]
 
-        # Causal softmax attention in float32 (or wider).
-        acc = float32_or_wider(activation_dtype(c))
-        scores_BHST = jnp.einsum("bshk,bthk->bhst", q_nope, k_nope, preferred_element_type=acc)
-        scores_BHST += jnp.einsum("bshk,btk->bhst", q_rope, k_rope_BS1[:, :, 0], preferred_element_type=acc)
-        scores_BHST *= softmax_scale(c)
-        scores_BHST = jnp.where(attention_mask(segment_ids_BS), scores_BHST, jnp.finfo(acc).min)
-        probs_BHST = jax.nn.softmax(scores_BHST, axis=-1).astype(v_BTHV.dtype)
-        out_BSHV = jnp.einsum("bhst,bthv->bshv", probs_BHST, v_BTHV)
+        # Causal, document-masked softmax attention over per-head [nope ; rope] queries and keys.
+        q_BSHK = jnp.concatenate([q_nope, q_rope], axis=-1)
+        k_BTHK = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope_BS1, (*k_nope.shape[:-1], rope))], axis=-1)
+        out_BSHV = attend(q_BSHK, k_BTHK, v_BTHV, segment_ids_BS, c)
         out_BSHV = constrain(out_BSHV, ("activation_batch", "activation_length", "activation_heads", None))
 
         wo = param(self, "wo", c, (H, V, D), ("heads", "head_dim", "embed"))

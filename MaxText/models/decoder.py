@@ -35,7 +35,7 @@ class DecoderLayer(nn.Module):
         x_BSD += MLA(c, name="attention")(RMSNorm(c, name="pre_attention_norm")(x_BSD), positions_BS, segment_ids_BS)
         h_BSD = RMSNorm(c, name="pre_ffn_norm")(x_BSD)
         if self.use_moe:
-            x_BSD += MoEBlock(c, name="moe")(h_BSD)
+            x_BSD += MoEBlock(c, name="moe")(h_BSD, segment_ids_BS)
         else:
             x_BSD += SwiGLU(c, c.base_mlp_dim, name="mlp")(h_BSD)
         return constrain(x_BSD, ACTIVATION_AXES), None  # (scan carry, per-layer output)

@@ -7,24 +7,55 @@ tokens reach their experts and come back; every exchange is dropless, whatever t
   routed to the local experts, reduce-scatter the partial outputs back. Traffic: the whole
   group's tokens per device. Simple; the CPU choice.
 - ``all_to_all``: each device sends each token once to every device holding one of its experts,
-  in fixed slots of ``T + 1`` rows per destination (the most any routing can send there, so
-  nothing is ever dropped); the receiver computes its copies, weights and sums them per token, and
-  the partial outputs travel back the same way. Runs everywhere; moves whole slots.
-- ``ragged_all_to_all``: the same slots, but only the rows in use move (sizes are exchanged
-  first). GPU/TPU only: XLA:CPU does not implement it.
+  in fixed slots of ``C + 1`` rows per destination (the last always zero); the receiver computes
+  its copies, weights and sums them per token, and the partial outputs travel back the same way.
+  Runs everywhere; moves whole slots.
+- ``ragged_all_to_all``: sends from a packed layout (each destination's rows back to back, found
+  by offsets) into the same slots on the receiver, and takes the outputs back into it; only the
+  rows in use move (sizes are exchanged first). GPU/TPU only: XLA:CPU does not implement it.
 - ``te``: Transformer Engine's NCCL expert-parallel dispatch/combine (GPU; ``te_exchange.py``).
 
-Which mesh axes hold tokens and experts comes from ``logical_axis_rules`` (``activation_batch``
-and ``exp``); without an expert axis larger than 1 the caller computes experts directly. When
-the tokens are not split over the expert axis, every device of the group already holds them:
-each computes its own experts' copies and the partial outputs are summed.
+Buffer sizing. A token reaches at most ``min(K, ep)`` devices, so a device sends at most
+``N = T * min(K, ep)`` rows: the packed send layout holds exactly that (plus a zero row), and
+needs no more whatever the routing. Per destination that is ``N / ep`` rows when routing is
+balanced; that share times ``moe_ep_buffer_factor`` is ``C``, the rows one (sender, receiver)
+pair moves per round, capped at ``T`` (the most one pair can carry). The receiving side is the
+hard one: one device may receive ``ep * T`` rows (all-to-one routing), and XLA allocates
+statically, so a receive buffer sized for that would be held whatever the routing. Instead each
+device receives into ``ep`` slots of ``C`` rows, and rows past the first ``C`` of a pair go in
+further rounds through the same buffers: the group agrees on its fullest pair (one ``pmax``), and
+only when that overflows does a ``lax.cond`` run the extra rounds (each rematerialised in the
+backward pass, so they keep no residuals). Nothing is dropped; an overflow costs time, not
+memory. The price in the common case is that predicate, once per layer and pass (on GPU a
+conditional reads it on the host); ``moe_ep_buffer_factor >= ep / min(K, ep)`` gives slots of
+``T``, one round and no predicate. ``exchange_buffer_bytes`` counts the buffers: tokens out and
+in, partial outputs out and back, and the gradient of each. DeepSeek-V3 671B on 64-way expert
+parallelism with 4,096 tokens per device (top-8, D 7,168, bf16), per MoE layer and device:
+5.64 GB with ``ragged_all_to_all`` at factor 2 (one round unless a pair carries more than twice
+its share), 7.52 GB with ``all_to_all`` (slots on both sides), 30.07 GB for slots of ``T`` on
+both sides (what this module used before).
 
-Shape legend: T tokens (local), K experts per token, E experts (local), D model dim,
-ep devices on the expert axis, C = T + 1 rows per slot, R = ep * C slot rows.
+The rows a device receives name their experts local to it: at most ``J = min(K, E / ep)`` of a
+token's ``K`` experts live on one device, so each row carries ``J`` (expert, weight) slots, not
+``K``, and the expert layout built from them is ``K / J`` times smaller.
+
+Which mesh axes hold tokens and experts comes from ``logical_axis_rules`` (``activation_batch``
+and ``exp``); without an expert axis larger than 1 the caller computes experts directly. Inside
+the exchange the tokens are also split over every other mesh axis the rules leave them
+replicated on (``tensor``): otherwise each tensor rank would send, compute and receive the same
+copies; the experts' weights are gathered whole on each device, as under FSDP. When the tokens
+are not split over the expert axis, every device of the group already holds them: each computes
+its own experts' copies and the partial outputs are summed.
+
+Shape legend: T tokens (local), K experts per token, J copies per row on a receiving device,
+E experts (local), D model dim, ep devices on the expert axis, C rows per pair and round,
+S = C + 1 rows per slot (the last always zero), R = ep * S slot rows, N packed send rows.
 """
 
+import math
 from collections.abc import Callable
 from functools import partial
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -50,82 +81,209 @@ def _mesh_axes(spec_entry) -> tuple[str, ...]:
     return () if spec_entry is None else (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
 
 
-# ---- fixed-slot exchanges: slot d of every device's [ep * C] rows goes to device d ----
+# ---- slot exchanges: slot d of every device's [ep * S] rows goes to device d ----
+# all_to_all moves whole slots (a plain all_to_all, its own transpose); ragged_all_to_all sends
+# from the packed layout and moves only the rows in use.
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def slot_exchange(x_RD: jax.Array, send_sizes: jax.Array, recv_sizes: jax.Array, axis: str, ragged: bool) -> jax.Array:
-    """Slot d (rows [d*C, (d+1)*C)) of ``x`` goes to device d, where it lands in slot ``me``.
-
-    With ``ragged`` only the first ``send_sizes[d]`` rows of each slot travel (``recv_sizes[s]``
-    arrive from device s) and the rest of each received slot is zero; otherwise whole slots move
-    (the caller keeps unused rows zero). Its transpose is the same exchange back with the sizes
-    swapped, which is also how outputs return to their tokens."""
-    if not ragged:
-        return jax.lax.all_to_all(x_RD, axis, 0, 0, tiled=True)
-    ep = send_sizes.shape[0]
-    C = x_RD.shape[0] // ep
-    slot_starts = jnp.arange(ep, dtype=jnp.int32) * C
-    here = jnp.full((ep,), jax.lax.axis_index(axis) * C, jnp.int32)
-    return jax.lax.ragged_all_to_all(
-        x_RD, jnp.zeros_like(x_RD), slot_starts, send_sizes, here, recv_sizes, axis_name=axis
-    )
-
-
-def _slot_exchange_fwd(x_RD, send_sizes, recv_sizes, axis, ragged):
-    return slot_exchange(x_RD, send_sizes, recv_sizes, axis, ragged), (send_sizes, recv_sizes)
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def packed_exchange(
+    x_ND: jax.Array,
+    in_offsets: jax.Array,
+    send_sizes: jax.Array,
+    out_offsets: jax.Array,
+    recv_sizes: jax.Array,
+    out_rows: int,
+    axis: str,
+) -> jax.Array:
+    """``ragged_all_to_all`` into zeros of ``out_rows`` rows: rows ``[in_offsets[d], +send_sizes[d])``
+    go to device d, landing at ``out_offsets[d]`` there; ``recv_sizes[s]`` arrive from s. Its
+    transpose moves the rows back: each device learns where its rows landed and where they came
+    from with two small ``all_to_all``s of the offsets."""
+    out_RD = jnp.zeros((out_rows, *x_ND.shape[1:]), x_ND.dtype)
+    return jax.lax.ragged_all_to_all(x_ND, out_RD, in_offsets, send_sizes, out_offsets, recv_sizes, axis_name=axis)
 
 
-def _slot_exchange_bwd(axis, ragged, residuals, dy_RD):
-    send_sizes, recv_sizes = residuals
-    return slot_exchange(dy_RD, recv_sizes, send_sizes, axis, ragged), None, None
+def _packed_exchange_fwd(x_ND, in_offsets, send_sizes, out_offsets, recv_sizes, out_rows, axis):
+    y = packed_exchange(x_ND, in_offsets, send_sizes, out_offsets, recv_sizes, out_rows, axis)
+    return y, (x_ND.shape[0], in_offsets, send_sizes, out_offsets, recv_sizes)
 
 
-slot_exchange.defvjp(_slot_exchange_fwd, _slot_exchange_bwd)
+def _packed_exchange_bwd(out_rows, axis, residuals, dy_RD):
+    in_rows, in_offsets, send_sizes, out_offsets, recv_sizes = residuals
+    landed, came_from = (jax.lax.all_to_all(a, axis, 0, 0, tiled=True) for a in (out_offsets, in_offsets))
+    dx_ND = packed_exchange(dy_RD, landed, recv_sizes, came_from, send_sizes, in_rows, axis)
+    return dx_ND, None, None, None, None
 
 
-def _send_slots(experts_TK: jax.Array, experts_per_device: int, ep: int):
-    """Where each token goes: (token_R, destination_R, valid_R, row_Td, copy_R, sizes_d). Token t is sent once
-    to every device d holding one of its experts, at row ``d*C + rank of t among d's tokens``;
-    row ``d*C + T`` of every slot stays empty (where unsent (token, device) pairs point)."""
+packed_exchange.defvjp(_packed_exchange_fwd, _packed_exchange_bwd)
+
+
+class ExchangePlan(NamedTuple):
+    rows_per_pair: int  # C: the rows one device sends one destination per round
+    rounds: int  # rounds the worst routing needs; the first always runs, the others on overflow only
+
+
+def exchange_plan(tokens: int, top_k: int, ep: int, factor: float) -> ExchangePlan:
+    """``C`` = ``factor`` x the balanced share ``T * min(K, ep) / ep`` (at least 1, at most ``T``),
+    and the rounds that move a pair's ``T`` rows (the most any routing sends it) ``C`` at a time."""
+    C = max(1, min(tokens, math.ceil(factor * tokens * min(top_k, ep) / ep)))
+    return ExchangePlan(C, -(-tokens // C))
+
+
+def exchange_buffer_bytes(config: Config, tokens_per_device: int, ep: int, exchange: str) -> dict[str, int]:
+    """The activation buffers one MoE layer's exchange holds per device, forward and backward,
+    for ``tokens_per_device`` tokens on each of ``ep`` expert-parallel devices (what the planner
+    and ahead-of-time tools budget): ``buffer_bytes`` as configured, ``worst_case_bytes`` for
+    buffers that take any routing in one round. ``exchange`` is a resolved ``moe_ep_comm``;
+    ``te`` sizes its own buffers (``te_exchange.recv_capacity``) and is not covered."""
+    T, K, D = tokens_per_device, config.num_experts_per_tok, config.emb_dim
+    if exchange == "allgather":  # the group's tokens and partial outputs, and their gradients
+        plan = ExchangePlan(T, 1)
+        rows = worst_rows = 4 * ep * T
+    elif exchange in ("all_to_all", "ragged_all_to_all"):
+        # Tokens out and in, partial outputs out and back, and the gradient of each.
+        plan = exchange_plan(T, K, ep, config.moe_ep_buffer_factor)
+        slots, worst_slots = ep * (plan.rows_per_pair + 1), ep * (T + 1)
+        if exchange == "ragged_all_to_all":  # sent from, and taken back into, the packed layout
+            packed = T * min(K, ep) + 1
+            rows, worst_rows = 4 * packed + 4 * slots, 4 * packed + 4 * worst_slots
+        else:
+            rows, worst_rows = 8 * slots, 8 * worst_slots
+    else:
+        raise ValueError(f"moe_ep_comm {exchange!r}: no exchange buffers of this module to report")
+    row_bytes = D * jnp.dtype(config.dtype).itemsize
+    return {
+        "rows_per_pair": plan.rows_per_pair,
+        "rounds": plan.rounds,
+        "buffer_rows": rows,
+        "buffer_bytes": rows * row_bytes,
+        "worst_case_bytes": worst_rows * row_bytes,
+    }
+
+
+class Routes(NamedTuple):
+    send_Td: jax.Array  # token t goes to device d (it chose at least one of d's experts)
+    rank_Td: jax.Array  # its rank among the tokens going to d
+    token_dN: jax.Array  # d's tokens in order, padded with zeros to rounds * C
+    sizes_d: jax.Array  # rows for each destination, all rounds together
+
+
+def _routes(experts_TK: jax.Array, experts_per_device: int, ep: int, plan: ExchangePlan) -> Routes:
     T = experts_TK.shape[0]
-    C = T + 1
-    d_ = jnp.arange(ep)
-    send_Td = (experts_TK[:, :, None] // experts_per_device == d_).any(axis=1)
-    sizes_d = send_Td.sum(axis=0, dtype=jnp.int32)
+    send_Td = (experts_TK[:, :, None] // experts_per_device == jnp.arange(ep)).any(axis=1)
     rank_Td = jnp.cumsum(send_Td, axis=0, dtype=jnp.int32) - 1
-    row_Td = d_ * C + jnp.where(send_Td, rank_Td, T)
-    # Slot d lists the tokens sent to d first (in token order), then an unused tail.
-    token_dC = jnp.argsort(~send_Td, axis=0, stable=True).T  # [ep, T]
-    token_R = jnp.concatenate([token_dC, jnp.zeros((ep, 1), token_dC.dtype)], axis=1).reshape(ep * C)
-    valid_R = (jnp.arange(C) < sizes_d[:, None]).reshape(ep * C)
-    destination_R = jnp.repeat(d_, C)
+    token_dT = jnp.argsort(~send_Td, axis=0, stable=True).T.astype(jnp.int32)  # tokens sent to d first
+    token_dN = jnp.pad(token_dT, ((0, 0), (0, plan.rounds * plan.rows_per_pair - T)))
+    return Routes(send_Td, rank_Td, token_dN, send_Td.sum(axis=0, dtype=jnp.int32))
+
+
+def _round_slots(routes: Routes, r: jax.Array | int, C: int):
+    """Round r's send layout: slot d (rows ``[d*S, (d+1)*S)``) holds ranks ``[r*C, (r+1)*C)`` of
+    d's tokens, then zeros; row ``d*S + C`` stays empty (where (token, d) pairs of other rounds
+    point). Returns (token_R, destination_R, valid_R, row_Td, copy_R, sizes_d)."""
+    ep = routes.sizes_d.shape[0]
+    S, d_ = C + 1, jnp.arange(ep)
+    in_round_Td = routes.send_Td & (routes.rank_Td // C == r)
+    row_Td = d_ * S + jnp.where(in_round_Td, routes.rank_Td - r * C, C)
+    token_dC = jax.lax.dynamic_slice_in_dim(routes.token_dN, r * C, C, axis=1)
+    token_R = jnp.concatenate([token_dC, jnp.zeros((ep, 1), token_dC.dtype)], axis=1).reshape(ep * S)
+    sizes_d = jnp.clip(routes.sizes_d - r * C, 0, C)
+    valid_R = (jnp.arange(S) < sizes_d[:, None]).reshape(ep * S)
+    destination_R = jnp.repeat(d_, S)
     copy_R = jnp.where(valid_R, token_R * ep + destination_R, 0)  # the (token, device) pair of each row
     return token_R, destination_R, valid_R, row_Td, copy_R, sizes_d
 
 
-def _slot_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis, ragged):
-    """Per device: send tokens to their experts' devices, compute, send partial outputs back."""
-    ep, E_local = jax.sharding.get_abstract_mesh().shape[axis], wi_0.shape[0]
-    token_R, destination_R, valid_R, row_Td, copy_R, send_sizes = _send_slots(experts_TK, E_local, ep)
-    recv_sizes = jax.lax.all_to_all(send_sizes, axis, 0, 0, tiled=True)
+def _packed_rows(routes: Routes, num_rows: int):
+    """The packed send layout: d's rows ``[start_d[d], + sizes_d[d])`` in token order, the rows of
+    all destinations back to back, then zero rows to ``num_rows`` (the last always zero, where
+    unsent (token, device) pairs point). Returns (token_N, valid_N, row_Td, copy_N, start_d)."""
+    ep = routes.sizes_d.shape[0]
+    end_d = jnp.cumsum(routes.sizes_d)
+    start_d = end_d - routes.sizes_d
+    n_ = jnp.arange(num_rows)
+    d_N = jnp.minimum(jnp.searchsorted(end_d, n_, side="right"), ep - 1)
+    valid_N = n_ < end_d[-1]
+    token_N = jnp.where(valid_N, routes.token_dN[d_N, jnp.clip(n_ - start_d[d_N], 0, routes.token_dN.shape[1] - 1)], 0)
+    row_Td = jnp.where(routes.send_Td, start_d + routes.rank_Td, num_rows - 1)
+    copy_N = jnp.where(valid_N, token_N * ep + d_N, 0)
+    return token_N, valid_N, row_Td, copy_N, start_d
+
+
+def _local_copies(local_RK: jax.Array, valid_R: jax.Array, weights_RK: jax.Array, experts_per_device: int):
+    """Each row's copies on its destination, first J = min(K, E) of K slots: (local_RJ, active_RJ, weights_RJ)."""
+    active_RK = valid_R[:, None] & (local_RK >= 0) & (local_RK < experts_per_device)
+    J = min(local_RK.shape[1], experts_per_device)
+    order_RJ = jnp.argsort(~active_RK, axis=1, stable=True)[:, :J]  # the active slots first
+    local_RJ, active_RJ, weights_RJ = (
+        jnp.take_along_axis(a, order_RJ, axis=1) for a in (local_RK, active_RK, weights_RK)
+    )
+    return jnp.where(active_RJ, local_RJ, 0), active_RJ, jnp.where(active_RJ, weights_RJ, 0)
+
+
+def _exchange_round(
+    r, routes, recv_total, packed, x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis, C
+):
+    """One round on one device: send round r's rows to their experts' devices, compute, send the
+    partial outputs back; returns this round's part of every token's output [T, D]. ``packed``
+    (ragged_all_to_all) is the packed send layout, else whole slots move (all_to_all)."""
+    E_local = wi_0.shape[0]
+    token_R, destination_R, valid_R, row_Td, copy_R, send_sizes = _round_slots(routes, r, C)
+    recv_sizes = jnp.clip(recv_total - r * C, 0, C)
+    exchange = partial(jax.lax.all_to_all, axis_name=axis, split_axis=0, concat_axis=0, tiled=True)
 
     # Outbound: the tokens, their experts as ids local to the destination, their weights.
-    x_RD = slot_exchange(gather_rows(x_TD, token_R, valid_R, row_Td), send_sizes, recv_sizes, axis, ragged)
-    local_RK = experts_TK[token_R] - destination_R[:, None] * E_local
-    active_RK = valid_R[:, None] & (local_RK >= 0) & (local_RK < E_local)
-    weights_RK = jnp.where(active_RK, weights_TK[token_R], 0)
-    local_RK, active_RK, weights_RK = (
-        jax.lax.all_to_all(a, axis, 0, 0, tiled=True) for a in (local_RK, active_RK, weights_RK)
+    if packed is None:
+        x_RD = exchange(gather_rows(x_TD, token_R, valid_R, row_Td))
+    else:  # round r's window of each destination's packed rows, into this device's slot there
+        xp_ND, start_d = packed[:2]
+        in_d = jnp.where(send_sizes > 0, start_d + r * C, 0)
+        here = jnp.full_like(in_d, jax.lax.axis_index(axis) * (C + 1))
+        x_RD = packed_exchange(xp_ND, in_d, send_sizes, here, recv_sizes, token_R.shape[0], axis)
+    local_RJ, active_RJ, weights_RJ = _local_copies(
+        experts_TK[token_R] - destination_R[:, None] * E_local, valid_R, weights_TK[token_R], E_local
     )
+    local_RJ, active_RJ, weights_RJ = (exchange(a) for a in (local_RJ, active_RJ, weights_RJ))
 
     # Compute the received copies on the local experts; one weighted partial output per row.
-    y_RKD = local_experts(x_RD, jnp.where(active_RK, local_RK, 0), active_RK, wi_0, wi_1, wo, config)
-    y_RD = combine(y_RKD, weights_RK)
+    y_RD = combine(local_experts(x_RD, local_RJ, active_RJ, wi_0, wi_1, wo, config), weights_RJ)
 
     # Inbound: partial outputs back to their tokens, summed over the devices that computed them.
-    y_RD = slot_exchange(y_RD, recv_sizes, send_sizes, axis, ragged)
-    return gather_copies(y_RD, copy_R, valid_R, row_Td).sum(axis=1)
+    if packed is None:
+        return gather_copies(exchange(y_RD), copy_R, valid_R, row_Td).sum(axis=1)
+    slot_starts = jnp.arange(recv_sizes.shape[0], dtype=recv_sizes.dtype) * (C + 1)
+    yp_ND = packed_exchange(y_RD, slot_starts, recv_sizes, exchange(in_d), send_sizes, xp_ND.shape[0], axis)
+    return gather_copies(yp_ND, *packed[2:]).sum(axis=1)
+
+
+def _slot_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis, ragged):
+    """Per device: the first round always; the rest only if some pair of the group overflows ``C``."""
+    T, K = experts_TK.shape
+    ep, E_local = jax.sharding.get_abstract_mesh().shape[axis], wi_0.shape[0]
+    plan = exchange_plan(T, K, ep, config.moe_ep_buffer_factor)
+    routes = _routes(experts_TK, E_local, ep, plan)
+    recv_total = jax.lax.all_to_all(routes.sizes_d, axis, 0, 0, tiled=True)
+    packed = None
+    if ragged:  # every row to send, packed once: T * min(K, ep) rows and a zero row
+        token_N, valid_N, row_Td, copy_N, start_d = _packed_rows(routes, T * min(K, ep) + 1)
+        packed = (gather_rows(x_TD, token_N, valid_N, row_Td), start_d, copy_N, valid_N, row_Td)
+    args = (x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis, plan.rows_per_pair)
+    one_round = jax.checkpoint(lambda r: _exchange_round(r, routes, recv_total, packed, *args))
+    y_TD = _exchange_round(0, routes, recv_total, packed, *args)
+    if plan.rounds == 1:  # C = T: one round holds any routing
+        return y_TD
+
+    C, nothing = plan.rows_per_pair, lambda *_: jnp.zeros_like(y_TD)
+    fullest = jax.lax.pmax(routes.sizes_d.max(), axis)  # the same on every device of the group
+
+    def more_rounds():
+        def body(acc_TD, r):
+            return acc_TD + jax.lax.cond(r * C < fullest, one_round, nothing, r), None
+
+        return jax.lax.scan(body, nothing(), jnp.arange(1, plan.rounds))[0]
+
+    return y_TD + jax.lax.cond(fullest > C, more_rounds, nothing)
 
 
 def _allgather_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis):
@@ -143,6 +301,18 @@ def _own_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_exp
     return combine(y_TKD, jnp.where(active_TK, weights_TK, 0))
 
 
+def exchange_token_axes(num_tokens: int, axis: str) -> tuple[str, ...]:
+    """The mesh axes tokens are split over inside the exchange: the rules' ``activation_batch``
+    axes, then every other axis (but ``axis``) that leaves them replicated, such as ``tensor``,
+    so that no two devices send or compute the same copies (the rules' axes alone where
+    ``num_tokens`` does not divide)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    rule_axes = _mesh_axes(nn.logical_to_mesh_axes(("activation_batch",))[0])
+    extra = tuple(a for a in mesh.axis_names if a not in rule_axes and a != axis and mesh.shape[a] > 1)
+    split = math.prod(mesh.shape[a] for a in rule_axes + extra)
+    return rule_axes + extra if num_tokens % split == 0 else rule_axes
+
+
 def expert_parallel_experts(
     x_TD: jax.Array,
     experts_TK: jax.Array,
@@ -156,8 +326,9 @@ def expert_parallel_experts(
     exchange: str,
 ) -> jax.Array:
     """``routed_experts`` with experts split over ``axis``; ``local_experts`` is the backend."""
-    token_spec = P(nn.logical_to_mesh_axes(("activation_batch",))[0], None)
-    tokens_split_over_axis = axis in _mesh_axes(token_spec[0])
+    token_axes = exchange_token_axes(x_TD.shape[0], axis)
+    token_spec = P(token_axes or None, None)
+    tokens_split_over_axis = axis in token_axes
     expert_spec = P(axis, None, None)
 
     def per_device(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo):

@@ -53,20 +53,33 @@ def route(logits_TE: jax.Array, correction_bias_E: jax.Array, config: Config) ->
     return Routing(weights_TK * config.routed_scaling_factor, experts_TK.astype(jnp.int32), scores_TE)
 
 
-def tokens_per_expert(experts_TK: jax.Array, num_experts: int) -> jax.Array:
-    """[E] how many (token, slot) pairs chose each expert."""
-    return jnp.zeros((num_experts,), jnp.int32).at[experts_TK.reshape(-1)].add(1)
+def tokens_per_expert(experts_TK: jax.Array, num_experts: int, valid_T: jax.Array | None = None) -> jax.Array:
+    """[E] how many (token, slot) pairs chose each expert, counting only ``valid_T`` tokens (padding
+    is routed and computed like any token, but must not steer the correction bias)."""
+    ones_TK = jnp.ones(experts_TK.shape, jnp.int32)
+    if valid_T is not None:
+        ones_TK *= valid_T[:, None].astype(jnp.int32)
+    return jnp.zeros((num_experts,), jnp.int32).at[experts_TK.reshape(-1)].add(ones_TK.reshape(-1))
 
 
-def sequence_balance_loss(scores_BSE: jax.Array, experts_BSK: jax.Array) -> jax.Array:
+def sequence_balance_loss(
+    scores_BSE: jax.Array, experts_BSK: jax.Array, valid_BS: jax.Array | None = None
+) -> jax.Array:
     """DeepSeek-V3's sequence-wise balance loss ``sum_i f_i P_i``, averaged over sequences.
 
     ``f_i = E / (K S) * #tokens of the sequence routed to i`` (no gradient) and
-    ``P_i`` = the sequence's mean of ``s_i / sum_j s_j``.
+    ``P_i`` = the sequence's mean of ``s_i / sum_j s_j``, where S counts the sequence's real
+    tokens only (``valid_BS``; padding takes no part). A sequence of padding alone contributes 0,
+    and every sequence counts in the mean, so equal micro-batches average to the whole batch's loss.
     """
     B, S, E = scores_BSE.shape
     K = experts_BSK.shape[-1]
-    counts_BE = jnp.zeros((B, E), scores_BSE.dtype).at[jnp.arange(B)[:, None], experts_BSK.reshape(B, S * K)].add(1)
-    f_BE = jax.lax.stop_gradient(counts_BE * E / (K * S))
-    p_BE = (scores_BSE / scores_BSE.sum(axis=-1, keepdims=True)).mean(axis=1)
+    valid_BS = jnp.ones((B, S), scores_BSE.dtype) if valid_BS is None else valid_BS.astype(scores_BSE.dtype)
+    tokens_B1 = jnp.maximum(valid_BS.sum(axis=1, keepdims=True), 1)
+    copies_BM = jnp.repeat(valid_BS, K, axis=1)  # [B, S*K], each token's K copies in order
+    counts_BE = (
+        jnp.zeros((B, E), scores_BSE.dtype).at[jnp.arange(B)[:, None], experts_BSK.reshape(B, S * K)].add(copies_BM)
+    )
+    f_BE = jax.lax.stop_gradient(counts_BE * E / (K * tokens_B1))
+    p_BE = ((scores_BSE / scores_BSE.sum(axis=-1, keepdims=True)) * valid_BS[..., None]).sum(axis=1) / tokens_B1
     return (f_BE * p_BE).sum(axis=-1).mean()

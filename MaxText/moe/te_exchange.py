@@ -6,7 +6,10 @@ multiple of ``ALIGN_ROWS``, plus each row's router weight and the group sizes; `
 sums the weighted expert outputs back onto the tokens. Both are collectives over the global
 arrays (outside ``shard_map``); between them the expert MLPs run per device, inside ``shard_map``,
 with whichever ``moe_matmul`` backend is chosen. The receive buffer is sized for the worst case
-(TE's dropless capacity), so no token is dropped.
+(TE's dropless capacity), so no token is dropped. The capacity counts the tokens of one rank of
+the token split: where the rules leave tokens replicated over ``tensor``, that is ``tensor``
+times the tokens per device, and every tensor rank dispatches and computes the same copies
+(correct, not split; the ``shard_map`` exchanges of ``expert_parallel.py`` split them).
 
 NCCL EP is set up once per process, eagerly, inside the mesh: ``ep_context`` does that and keeps
 TE's mesh resource active around the training loop. Written against the transformer_engine 2.20.2
@@ -16,7 +19,8 @@ Shape legend: T tokens (global), K experts per token, D model dim, R received ro
 """
 
 import contextlib
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import flax.linen as nn
 import jax
@@ -32,6 +36,13 @@ ALIGN_ROWS = 128  # TE pads each expert's received group to this many rows (its 
 def _token_axes() -> tuple[str, ...]:
     spec = nn.logical_to_mesh_axes(("activation_batch",))[0]
     return () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+
+
+def rank_tokens(num_tokens: int, axis_sizes: Mapping[str, int], token_axes: Sequence[str]) -> int:
+    """Tokens on one rank of the token split over ``token_axes``: more than per device where the
+    rules leave tokens replicated over an axis (``tensor``), and what the receive capacity must
+    be sized by (sizing it by devices would undersize it that many times)."""
+    return num_tokens // math.prod(axis_sizes[a] for a in token_axes)
 
 
 def recv_capacity(config: Config, tokens_per_device: int, ep: int) -> int:
@@ -55,13 +66,14 @@ def ep_context(config: Config, mesh: jax.sharding.Mesh, tokens_per_device: int, 
 
     outer = [a for a in _token_axes() if a != axis]
     resource = MeshResource(fsdp_resource=outer[-1] if outer else None, ep_resource=axis)
+    tokens_per_rank = rank_tokens(tokens_per_device * mesh.size, mesh.shape, (*outer, axis))
     with jax.set_mesh(mesh), global_shard_guard(resource):
         ep.ep_bootstrap(
             world_size=None,
             rank=None,
             num_experts=config.num_experts,
-            max_tokens_per_rank=tokens_per_device,
-            recv_capacity_per_rank=recv_capacity(config, tokens_per_device, mesh.shape[axis]),
+            max_tokens_per_rank=tokens_per_rank,
+            recv_capacity_per_rank=recv_capacity(config, tokens_per_rank, mesh.shape[axis]),
             hidden_dim=config.emb_dim,
         )
         try:
@@ -96,9 +108,9 @@ def te_experts(
     K = experts_TK.shape[-1]
     cfg = ep.EpLayerConfig(top_k=K, dispatch_output_per_expert_alignment=ALIGN_ROWS)
     mesh = jax.sharding.get_abstract_mesh()
-    capacity = recv_capacity(config, T // mesh.size, mesh.shape[axis])
     # TE wants the token dim split over (outer axes..., ep) exactly, with ep innermost.
     rows_spec = P((*[a for a in _token_axes() if a != axis], axis))
+    capacity = recv_capacity(config, rank_tokens(T, mesh.shape, rows_spec[0]), mesh.shape[axis])
     x_TD, experts_TK, weights_TK = (
         jax.lax.with_sharding_constraint(a, P(rows_spec[0], None)) for a in (x_TD, experts_TK, weights_TK)
     )

@@ -28,28 +28,64 @@ def axis_rules(config: Config) -> Rules:
 
 def logical_to_shardings(boxed_tree: Any, mesh: Mesh, config: Config) -> Any:
     """NamedShardings for a tree of logically-partitioned (boxed) abstract values."""
-    check_splits(boxed_tree, dict(mesh.shape), config)
-    return nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed_tree), mesh, axis_rules(config))
+    specs = parameter_specs(boxed_tree, dict(mesh.shape), config)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def parameter_mesh_axes(
+    names: tuple[str | None, ...], shape: tuple[int, ...], rules: Rules, axis_sizes: dict[str, int]
+) -> tuple[Any, ...]:
+    """Flax's priority rules (each rule, in order, claims the dim of its name if the rule's mesh
+    axes are still free) with one addition for parameters: a rule whose split does not divide the
+    dim is passed over, so a later rule of the same name can take it. That lets a name ask for
+    ``fsdp x expert`` where it divides and fall back to ``fsdp`` where it does not (the MLA
+    latents at 1,024 GPUs). A dim that no rule of its name could divide is an error."""
+    result: list[Any] = [None] * len(names)
+    assigned, indivisible = [False] * len(names), {}
+    used: set[str] = set()
+    for name, axes in rules:
+        if name not in names:
+            continue
+        i = names.index(name)
+        mesh_axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        if assigned[i] or used & set(mesh_axes):
+            continue
+        ways = math.prod(axis_sizes[a] for a in mesh_axes)
+        if shape[i] % ways:
+            indivisible[i] = (ways, axes)  # the last one tried is the one to report
+            continue
+        result[i], assigned[i] = axes, True
+        used |= set(mesh_axes)
+    for i, (ways, axes) in indivisible.items():
+        if not assigned[i]:
+            raise ValueError(f"cannot be split {ways} ways over {axes} (dim {shape[i]})")
+    return tuple(result)
+
+
+def parameter_specs(boxed_tree: Any, axis_sizes: dict[str, int], config: Config) -> Any:
+    """A PartitionSpec per boxed leaf (``parameter_mesh_axes``). Needs only the mesh's axis sizes,
+    so a cluster layout can be checked without its devices; a split that cannot divide raises a
+    ConfigError naming the parameter (JAX would refuse it later, with a less helpful message)."""
+    rules = axis_rules(config)
+    is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
+
+    def spec(path, box):
+        if not is_box(box):
+            return PartitionSpec()
+        try:
+            return PartitionSpec(*parameter_mesh_axes(tuple(box.names), box.value.shape, rules, axis_sizes))
+        except ValueError as err:
+            raise ConfigError(
+                f"config key 'logical_axis_rules': {jax.tree_util.keystr(path)} {tuple(box.value.shape)} {err}; "
+                "change the mesh or the rules"
+            ) from None
+
+    return jax.tree_util.tree_map_with_path(spec, boxed_tree, is_leaf=is_box)
 
 
 def check_splits(boxed_tree: Any, axis_sizes: dict[str, int], config: Config) -> None:
-    """Every split must divide its dim; otherwise a ConfigError names the first parameter that
-    does not fit (JAX would refuse it later, with a less helpful message). Needs only the mesh's
-    axis sizes, so a cluster layout can be checked without its devices."""
-    rules = axis_rules(config)
-    boxes = jax.tree_util.tree_flatten_with_path(boxed_tree, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))[
-        0
-    ]
-    for path, box in boxes:
-        if not isinstance(box, nn.LogicallyPartitioned):
-            continue
-        for dim, axes in zip(box.value.shape, nn.logical_to_mesh_axes(box.names, rules), strict=False):
-            ways = math.prod(axis_sizes[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
-            if dim % ways:
-                raise ConfigError(
-                    f"config key 'logical_axis_rules': {jax.tree_util.keystr(path)} {tuple(box.value.shape)} "
-                    f"cannot be split {ways} ways over {axes} (dim {dim}); change the mesh or the rules"
-                )
+    """Raise a ConfigError naming the first parameter whose split does not divide its dim."""
+    parameter_specs(boxed_tree, axis_sizes, config)
 
 
 def batch_sharding(mesh: Mesh, config: Config) -> NamedSharding:

@@ -3,7 +3,8 @@
 The state comes from the newest good checkpoint of the run when there is one (the same command
 resumes), else it is created (with ``load_parameters_path``'s parameters for a warm start).
 Checkpoints are saved every ``checkpoint_period`` steps, at the last step, and when SIGTERM or
-SIGINT asks the run to stop, after which the loop waits for the write and returns normally.
+SIGINT asks the run to stop (with several processes, at the next multiple of
+``preemption_check_period``), after which the loop waits for the write and returns normally.
 
 Only process 0 writes files. Metrics are fetched from the device every ``log_period`` steps
 (and at the last step), so the loop never waits on the device in between. Every
@@ -22,6 +23,7 @@ from tqdm import tqdm
 from MaxText.checkpointing import Checkpoints, load_moe_bias, load_parameters
 from MaxText.config import Config, config_to_yaml
 from MaxText.data.source import DataSource, make_data_source, make_eval_source
+from MaxText.layers.attention_ops import check_attention
 from MaxText.models.accounting import train_flops_per_token
 from MaxText.models.deepseek import DeepSeekV3
 from MaxText.moe.experts import check_backend, moe_context
@@ -101,6 +103,7 @@ def train(config: Config) -> RunResult:
 
     # ---- mesh and data (first, so that a bad layout or dataset stops the run before anything is compiled) ----
     check_backend(config, topology["platform"])
+    check_attention(config, topology["platform"])
     mesh = make_mesh(config)
     num_devices = topology["num_devices"]
     global_batch = config.global_batch_size(num_devices)
@@ -142,7 +145,7 @@ def train(config: Config) -> RunResult:
         jax.set_mesh(mesh),
         nn.logical_axis_rules(axis_rules(config)),
         moe_context(config, mesh, tokens_per_device),
-        PreemptionWatch() as preemption,
+        PreemptionWatch(config.preemption_check_period) as preemption,
     ):
         for step in progress:
             batch = put_global_batch(next(data), batch_shards)
@@ -168,7 +171,7 @@ def train(config: Config) -> RunResult:
                 progress.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 if writer:
                     writer.write(record)
-            stop = preemption.should_stop()
+            stop = preemption.should_stop(step)
             if checkpoints is not None and (step % config.checkpoint_period == 0 or step == config.steps or stop):
                 checkpoints.save(step, state, data.get_state(), config)
             if stop:

@@ -6,6 +6,11 @@ Positions whose target is padding (``targets_segmentation == 0``) carry no loss.
 position i predicts ``targets[i + k]``; it counts only when that target lies in the same
 document and inside the sequence.
 
+Each cross-entropy is a sum over tokens divided by the token count of the whole optimizer batch
+(``loss_token_counts``), not of one micro-batch: with gradient accumulation the micro-batches'
+losses and gradients then add up to exactly the whole batch's, however their padding differs
+(averaging per-micro-batch means would weigh a token of a half-empty micro-batch twice).
+
 Shape legend: B batch, S sequence, V vocabulary, N MTP depth.
 """
 
@@ -29,11 +34,16 @@ class LossParts(NamedTuple):
     dropped_tokens: jax.Array  # token copies the capacity baseline dropped (0 when dropless)
 
 
-def cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array, weights_BS: jax.Array) -> jax.Array:
-    """Mean token cross-entropy over positions with weight 1."""
+def token_nll_sum(logits_BSV: jax.Array, targets_BS: jax.Array, weights_BS: jax.Array) -> jax.Array:
+    """Summed token cross-entropy over positions with weight 1 (float32 or wider)."""
     logprobs_BSV = jax.nn.log_softmax(logits_BSV.astype(jnp.promote_types(logits_BSV.dtype, jnp.float32)), axis=-1)
     nll_BS = -jnp.take_along_axis(logprobs_BSV, targets_BS[..., None], axis=-1)[..., 0]
-    return (nll_BS * weights_BS).sum() / jnp.maximum(weights_BS.sum(), 1)
+    return (nll_BS * weights_BS).sum()
+
+
+def cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array, weights_BS: jax.Array) -> jax.Array:
+    """Mean token cross-entropy over positions with weight 1."""
+    return token_nll_sum(logits_BSV, targets_BS, weights_BS) / jnp.maximum(weights_BS.sum(), 1)
 
 
 def mtp_weights(targets_segmentation_BS: jax.Array, k: int) -> jax.Array:
@@ -44,9 +54,34 @@ def mtp_weights(targets_segmentation_BS: jax.Array, k: int) -> jax.Array:
     return (inside_S & (shifted_BS == targets_segmentation_BS) & (targets_segmentation_BS != 0)).astype(jnp.float32)
 
 
+class TokenCounts(NamedTuple):
+    """Tokens that carry each loss in the whole optimizer batch: the denominators of its means."""
+
+    lm: jax.Array  # main head
+    mtp: jax.Array  # [N] one per MTP depth
+
+
+def loss_token_counts(batch: dict[str, jax.Array], config: Config) -> TokenCounts:
+    segments_BS = batch["targets_segmentation"]
+    mtp = [mtp_weights(segments_BS, k).sum() for k in range(1, config.mtp_num_layers + 1)]
+    return TokenCounts(
+        (segments_BS != 0).sum().astype(jnp.float32), jnp.stack(mtp) if mtp else jnp.zeros((0,), jnp.float32)
+    )
+
+
 def compute_loss(
-    model: DeepSeekV3, config: Config, params: Any, moe_bias: Any, batch: dict[str, jax.Array]
+    model: DeepSeekV3,
+    config: Config,
+    params: Any,
+    moe_bias: Any,
+    batch: dict[str, jax.Array],
+    counts: TokenCounts | None = None,
+    num_micro_batches: int = 1,
 ) -> LossParts:
+    """The loss of ``batch``, one of ``num_micro_batches`` equal parts of an optimizer batch whose
+    token ``counts`` are given (default: ``batch`` is the whole batch). The parts' losses add up
+    to the whole batch's loss."""
+    counts = loss_token_counts(batch, config) if counts is None else counts
     (logits_BSV, mtp_logits_NBSV), stats = model.apply(
         {"params": params, BIAS: moe_bias},
         batch["inputs"],
@@ -55,14 +90,16 @@ def compute_loss(
         mutable=[LOAD, LOSS],
     )
     targets_BS, segments_BS = batch["targets"], batch["targets_segmentation"]
-    lm_loss = cross_entropy(logits_BSV, targets_BS, (segments_BS != 0).astype(jnp.float32))
+    lm_loss = token_nll_sum(logits_BSV, targets_BS, (segments_BS != 0).astype(jnp.float32)) / jnp.maximum(counts.lm, 1)
 
     mtp_loss = jnp.zeros((), lm_loss.dtype)
     for k in range(1, config.mtp_num_layers + 1):
-        mtp_loss += cross_entropy(mtp_logits_NBSV[k - 1], shift_left(targets_BS, k), mtp_weights(segments_BS, k))
+        nll = token_nll_sum(mtp_logits_NBSV[k - 1], shift_left(targets_BS, k), mtp_weights(segments_BS, k))
+        mtp_loss += nll / jnp.maximum(counts.mtp[k - 1], 1)
     mtp_loss /= max(config.mtp_num_layers, 1)
 
-    balance = sum(jnp.sum(x) for x in jax.tree.leaves(stats.get(LOSS, {})))
+    # Each micro-batch's balance loss is a mean over its sequences; equal micro-batches average.
+    balance = sum(jnp.sum(x) for x in jax.tree.leaves(stats.get(LOSS, {}))) / num_micro_batches
     aux_loss = config.load_balance_loss_weight * jnp.asarray(balance, lm_loss.dtype)
     loss = lm_loss + config.mtp_loss_scaling_factor * mtp_loss + aux_loss
     load = stats.get(LOAD, {})

@@ -16,8 +16,18 @@ PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     ("B200", {"bf16": 2250.0, "fp8": 4500.0}),
     ("H200", {"bf16": 989.0, "fp8": 1979.0}),
     ("H100", {"bf16": 989.0, "fp8": 1979.0}),
+    ("H800", {"bf16": 989.0, "fp8": 1979.0}),  # the H100 die with NVLink cut to 400 GB/s
 )
 PRECISION_OF_DTYPE = {"bfloat16": "bf16", "float16": "bf16"}
+# HBM per GPU in GB (vendor figures), matched the same way; tools/aot_compile.py checks against it.
+HBM_GB: tuple[tuple[str, float], ...] = (
+    ("GB300", 288.0),
+    ("GB200", 186.0),
+    ("B200", 180.0),
+    ("H200", 141.0),
+    ("H100", 80.0),
+    ("H800", 80.0),
+)
 
 # Every metrics.jsonl line has at least these fields.
 METRIC_FIELDS = (
@@ -36,6 +46,11 @@ METRIC_FIELDS = (
     "expert_load_max_over_mean_per_layer",
     "dropped_tokens",
 )
+
+
+def hbm_gb(device_kind: str | None) -> float | None:
+    """HBM of the first device kind named in ``device_kind`` (a kind, or a recipe's file name)."""
+    return next((gb for name, gb in HBM_GB if device_kind and name.lower() in device_kind.lower()), None)
 
 
 def peak_tflops(device_kind: str, dtype: str) -> float | None:

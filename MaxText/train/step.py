@@ -15,19 +15,24 @@ import optax
 
 from MaxText.config import Config
 from MaxText.models.deepseek import DeepSeekV3
-from MaxText.train.loss import LossParts, compute_loss
+from MaxText.train.loss import LossParts, compute_loss, loss_token_counts
 from MaxText.train.optimizer import learning_rate_schedule
 from MaxText.train.state import TrainState
 
 Metrics = dict[str, jax.Array]
 
 
-def update_correction_bias(bias: Any, load: Any, rate: float) -> Any:
-    """``b_i += rate * sign(mean(load) - load_i)`` per router (DeepSeek-V3, section 2.1.2)."""
+def update_correction_bias(bias: Any, load: Any, rate: float, rule: str = "sign") -> Any:
+    """``b_i += rate * sign(mean(load) - load_i)`` per router (DeepSeek-V3, section 2.1.2), or with
+    ``rule="proportional"`` ``b_i += rate * (mean(load) - load_i) / mean(load)``: steps that
+    shrink as the loads even out, so a large rate converges instead of oscillating by +-rate."""
 
     def update(b_E: jax.Array, load_E: jax.Array) -> jax.Array:
         load_E = load_E.astype(b_E.dtype)
-        return b_E + rate * jnp.sign(load_E.mean(axis=-1, keepdims=True) - load_E)
+        mean = load_E.mean(axis=-1, keepdims=True)
+        if rule == "sign":
+            return b_E + rate * jnp.sign(mean - load_E)
+        return b_E + rate * (mean - load_E) / jnp.maximum(mean, 1)
 
     return jax.tree.map(update, bias, load)
 
@@ -40,6 +45,16 @@ def load_max_over_mean_per_router(load: Any) -> jax.Array:
         for x in (leaf.astype(jnp.float32) for leaf in jax.tree.leaves(load))
     ]
     return jnp.concatenate(ratios) if ratios else jnp.ones((1,))
+
+
+def correction_bias_range(bias: Any) -> Metrics:
+    """The lowest and highest correction bias over every router (after this step's update): a
+    bias that keeps growing shows the router fighting the balance."""
+    leaves = [leaf.reshape(-1) for leaf in jax.tree.leaves(bias)]
+    if not leaves:
+        return {}
+    every = jnp.concatenate(leaves)
+    return {"routed_bias_min": every.min(), "routed_bias_max": every.max()}
 
 
 def split_micro_batches(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
@@ -55,12 +70,14 @@ def train_step(
     state: TrainState,
     batch: dict[str, jax.Array],
 ) -> tuple[TrainState, Metrics]:
+    n = config.gradient_accumulation_steps
+    counts = loss_token_counts(batch, config)  # of the whole batch: every micro-batch divides by them
+
     def loss_fn(params, micro_batch) -> tuple[jax.Array, LossParts]:
-        parts = compute_loss(model, config, params, state.moe_bias, micro_batch)
+        parts = compute_loss(model, config, params, state.moe_bias, micro_batch, counts, n)
         return parts.loss, parts
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    n = config.gradient_accumulation_steps
     if n == 1:
         (_, parts), grads = grad_fn(state.params, batch)
     else:
@@ -74,15 +91,16 @@ def train_step(
             grad_fn, state.params, jax.tree.map(lambda x: x[0], micro_batches)
         )
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (grads_shape, parts_shape))
+        # Losses and gradients are already scaled to the whole batch: the sum over micro-batches is its.
         (grads, parts), _ = jax.lax.scan(accumulate, zeros, micro_batches)
-        grads = jax.tree.map(lambda g: g / n, grads)
-        parts = parts._replace(**{f: getattr(parts, f) / n for f in ("loss", "lm_loss", "mtp_loss", "aux_loss")})
 
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     moe_bias = state.moe_bias
     if config.routed_bias and config.routed_bias_update_rate > 0:
-        moe_bias = update_correction_bias(moe_bias, parts.expert_load, config.routed_bias_update_rate)
+        moe_bias = update_correction_bias(
+            moe_bias, parts.expert_load, config.routed_bias_update_rate, config.routed_bias_update_rule
+        )
 
     load_ratios = load_max_over_mean_per_router(parts.expert_load)
     metrics = {
@@ -94,6 +112,7 @@ def train_step(
         "learning_rate": learning_rate_schedule(config)(state.step),
         "expert_load_max_over_mean": load_ratios.mean(),
         "expert_load_max_over_mean_per_layer": load_ratios,
+        **correction_bias_range(moe_bias),
         "dropped_tokens": parts.dropped_tokens,
     }
     return TrainState(state.step + 1, params, moe_bias, opt_state), metrics

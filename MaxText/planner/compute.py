@@ -1,0 +1,49 @@
+"""Math time per GPU per step: FLOPs by GEMM class at a named fraction of peak, plus the
+memory-bound kernels between them and host overhead.
+
+Model FLOPs per GPU per step are ``gbs * S * flops_per_token / num_gpus`` for every class (balanced
+routing spreads the expert work evenly). ``full`` remat runs each layer's forward twice, so every
+class executes 4/3 of its model FLOPs; ``minimal`` and ``none`` recompute no matmul. GEMMs run at
+the precision's peak (FP8 for fp8 and mxfp8); attention cores run in BF16 at every precision, sped
+up on systems with faster softmax exponentials. Non-GEMM kernels stream the activations through
+HBM ``ELEMENTWISE_PASSES`` times. Host time is launch and synchronisation time a stack without CUDA
+graphs spends per layer per micro-batch.
+"""
+
+from __future__ import annotations
+
+from MaxText.planner.constants import ACTIVATION_BYTES, ELEMENTWISE_PASSES, GEMM_EFFICIENCY, Stack
+from MaxText.planner.layout import Layout
+from MaxText.planner.model import ModelSpec
+from MaxText.planner.systems import System
+
+# Extra executed FLOPs over model FLOPs. ``selective`` reruns the MLA up-projections (about 3% of the
+# dense class for DeepSeek-V3), left out here.
+RECOMPUTE = {"none": 0.0, "minimal": 0.0, "selective": 0.0, "full": 1.0 / 3.0}
+
+
+def model_flops_per_gpu(spec: ModelSpec, layout: Layout) -> float:
+    return layout.gbs * spec.seq_len * spec.flops_per_token / layout.num_gpus
+
+
+def math_times(spec: ModelSpec, layout: Layout, system: System, stack: Stack, precision: str) -> dict[str, float]:
+    """Seconds per step by kernel class: dense, grouped, attention (GEMMs), elementwise, host."""
+    tokens = layout.gbs * spec.seq_len / layout.num_gpus
+    extra = 1.0 + RECOMPUTE[layout.remat]
+    row = "bf16" if precision == "bf16" else "fp8"
+    times = {}
+    for kind, flops in spec.flops.items():
+        efficiency = GEMM_EFFICIENCY[kind][row]
+        if kind == "attention":
+            rate = system.peak_flops("bf16") * system.attention_speedup * efficiency
+        else:
+            rate = system.peak_flops(precision) * efficiency * (stack.grouped_scale if kind == "grouped" else 1.0)
+        times[kind] = tokens * flops * extra / rate
+    times["elementwise"] = tokens * spec.act_none * ACTIVATION_BYTES * ELEMENTWISE_PASSES * extra / system.hbm_bw
+    times["host"] = layout.microbatches * (spec.layers / layout.pp) * stack.host_s_per_layer
+    return times
+
+
+def optimizer_time(state_bytes: float, system: System) -> float:
+    """The AdamW update reads and writes the local state once (memory bound)."""
+    return 2 * state_bytes / system.hbm_bw

@@ -1,0 +1,180 @@
+"""Step time, TFLOPS/GPU, MFU and scaling efficiency of one layout: the parts combined.
+
+    compute  = GEMMs + elementwise + host                       (compute.py)
+    exposed  = tensor-parallel collectives                       (on the critical path)
+             + dispatch x (1 - dispatch_overlap)
+             + pipeline sends x (1 - dispatch_overlap)
+             + max(0, fsdp - fsdp_overlap x compute)             (gathers hide behind other layers)
+    step     = (compute + exposed) x (1 + bubble) + max(0, dp - dp_overlap x compute / m) + optimizer
+    bubble   = (pp - 1) / (vpp x m)                              (interleaved 1F1B, m micro-batches)
+
+TFLOPS/GPU are model FLOPs (Megatron's count, ``model.py``) over the step time; MFU divides by the
+precision's dense peak. ``comm_fraction`` is communication over communication + compute kernel
+time, overlapped or not (the "share of accumulated kernel time" NVIDIA quotes). Scaling efficiency
+compares TFLOPS/GPU with the same layout restricted to one NVLink domain (its ``ici`` part, the
+per-GPU batch unchanged), whether or not the model would fit there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from MaxText.planner.comms import Collective, collectives
+from MaxText.planner.compute import math_times, model_flops_per_gpu, optimizer_time
+from MaxText.planner.constants import Stack
+from MaxText.planner.layout import Layout
+from MaxText.planner.memory import memory_per_gpu
+from MaxText.planner.model import ModelSpec
+from MaxText.planner.systems import System
+
+
+@dataclass(frozen=True)
+class Estimate:
+    layout: Layout
+    system: System
+    stack: Stack
+    precision: str
+    memory: dict[str, float]
+    math: dict[str, float]
+    comms: list[Collective]
+    exposed: dict[str, float]
+    bubble: float
+    step_time: float
+    tflops: float
+    tokens_per_s: float
+    scaling_efficiency: float | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.memory["total"] <= self.system.hbm_bytes * self.stack.usable_hbm
+
+    @property
+    def mfu(self) -> float:
+        return self.tflops * 1e12 / self.system.peak_flops(self.precision)
+
+    @property
+    def compute_time(self) -> float:
+        return sum(self.math.values())
+
+    @property
+    def comm_fraction(self) -> float:
+        comm = sum(c.seconds for c in self.comms)
+        return comm / (comm + self.compute_time)
+
+    @property
+    def dominant(self) -> str:
+        return "communication" if sum(self.exposed.values()) > self.compute_time else "compute"
+
+    @property
+    def runnable(self) -> bool:
+        return self.layout.runnable and self.stack.runs_here and self.precision == "bf16"
+
+    def not_runnable_reason(self) -> str | None:
+        if self.layout.pp > 1:
+            return "pipeline parallelism is not implemented in this repository"
+        if not self.stack.runs_here:
+            return f"stack '{self.stack.name}' is not this repository's"
+        if self.precision != "bf16":
+            return "this repository has no FP8 training path yet"
+        if not self.layout.runnable:
+            return "remat policy or micro-batch this repository does not have"
+        return None
+
+    def as_dict(self) -> dict:
+        return {
+            "layout": self.layout.describe(),
+            "system": self.system.name,
+            "stack": self.stack.name,
+            "precision": self.precision,
+            "num_gpus": self.layout.num_gpus,
+            "fits": self.fits,
+            "runnable": self.runnable,
+            "not_runnable_reason": self.not_runnable_reason(),
+            "memory_gb": {k: v / 1e9 for k, v in self.memory.items()},
+            "hbm_gb": self.system.hbm_bytes / 1e9,
+            "usable_hbm_gb": self.system.hbm_bytes * self.stack.usable_hbm / 1e9,
+            "step_time_s": self.step_time,
+            "tflops_per_gpu": self.tflops,
+            "mfu": self.mfu,
+            "tokens_per_s_per_gpu": self.tokens_per_s,
+            "scaling_efficiency": self.scaling_efficiency,
+            "compute_s": self.math,
+            "collectives": [
+                {
+                    "name": c.name,
+                    "nvlink_gb": c.bytes_nvlink / 1e9,
+                    "network_gb": c.bytes_network / 1e9,
+                    "seconds": c.seconds,
+                }
+                for c in self.comms
+            ],
+            "exposed_s": self.exposed,
+            "bubble_fraction": self.bubble,
+            "comm_fraction_of_kernel_time": self.comm_fraction,
+            "dominant": self.dominant,
+            "overlay": self.layout.overlay() if self.layout.runnable else None,
+        }
+
+
+def _time(spec: ModelSpec, layout: Layout, system: System, stack: Stack, precision: str, state_bytes: float):
+    math = math_times(spec, layout, system, stack, precision)
+    compute = sum(math.values())
+    comms = collectives(spec, layout, system, stack)
+    by_kind = {
+        k: sum(c.seconds for c in comms if c.kind == k) for k in ("dispatch", "tensor", "fsdp", "dp", "pipeline")
+    }
+    m = layout.microbatches
+    exposed = {
+        "dispatch": by_kind["dispatch"] * (1 - stack.dispatch_overlap),
+        "tensor": by_kind["tensor"],
+        "pipeline": by_kind["pipeline"] * (1 - stack.dispatch_overlap),
+        "fsdp": max(0.0, by_kind["fsdp"] - stack.fsdp_overlap * compute),
+        "dp": max(0.0, by_kind["dp"] - stack.dp_overlap * compute / m),
+        "optimizer": optimizer_time(state_bytes, system),
+    }
+    bubble = (layout.pp - 1) / (layout.vpp * m)
+    in_step = compute + exposed["dispatch"] + exposed["tensor"] + exposed["pipeline"] + exposed["fsdp"]
+    step = in_step * (1 + bubble) + exposed["dp"] + exposed["optimizer"]
+    return math, comms, exposed, bubble, step
+
+
+def estimate(
+    spec: ModelSpec,
+    layout: Layout,
+    system: System,
+    stack: Stack,
+    precision: str = "bf16",
+    exchange_buffer_factor: float = 2.0,
+    scaling: bool = True,
+) -> Estimate:
+    """Cost one layout (``layout.check`` first; the sharded state raises on splits that do not divide)."""
+    layout.check(spec.num_experts, spec.heads, spec.kv_heads)
+    memory = memory_per_gpu(spec, layout, stack, precision, exchange_buffer_factor)
+    math, comms, exposed, bubble, step = _time(spec, layout, system, stack, precision, memory["state"])
+    tflops = model_flops_per_gpu(spec, layout) / step / 1e12
+    tokens_per_s = layout.gbs * spec.seq_len / layout.num_gpus / step
+    scaling_efficiency = None
+    if scaling:
+        one_domain = replace(layout, dcn={})
+        one_domain = replace(one_domain, gbs=one_domain.mbs * one_domain.replicas * layout.microbatches)
+        if one_domain.num_gpus < layout.num_gpus:
+            _, _, _, _, ref_step = _time(spec, one_domain, system, stack, precision, memory["state"])
+            ref_tflops = model_flops_per_gpu(spec, one_domain) / ref_step / 1e12
+            scaling_efficiency = tflops / ref_tflops
+        else:
+            scaling_efficiency = 1.0
+    return Estimate(
+        layout,
+        system,
+        stack,
+        precision,
+        memory,
+        math,
+        comms,
+        exposed,
+        bubble,
+        step,
+        tflops,
+        tokens_per_s,
+        scaling_efficiency,
+    )

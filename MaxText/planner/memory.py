@@ -1,0 +1,139 @@
+"""Memory per GPU: training state by how the stack stores it, activations by remat policy, buffers.
+
+State. ``sharded`` (this repository): every parameter is split over the mesh by the repository's
+own rules (``MaxText/parallel/sharding.py`` ``parameter_specs`` on an abstract ``init``, so the
+MLA up-projections that cannot split over fsdp x expert are counted as the training step stores
+them), each with its gradient and two Adam moments in ``weight_dtype``; a layout those rules cannot
+split is refused here with the repository's own message. ``distributed_optimizer`` (Megatron): bf16
+weights and fp32 main gradients on every data-parallel rank, fp32 master weights and Adam moments
+split over data parallelism; with FP8 the quantised weights replace the BF16 copy (one byte, two
+for MXFP8's row- and column-wise copies).
+
+Activations. Tokens per GPU per micro-batch ``t = mbs * S / tensor``. ``none`` keeps everything,
+``minimal`` the matmul outputs, ``full`` each layer's input plus one layer's working set. With
+pipelining the first stage holds ``pp * (1 + (pp - 1) / (pp * vpp))`` micro-batches of its
+``1/pp`` of the layers (Narayanan et al. 2021, interleaved 1F1B). Without pipelining the fp32
+logits and their gradient are added (with it, the last stage holds them but fewer micro-batches). Buffers: the dispatch/combine receive buffers and, for sharded
+state, two layers of gathered weights (one computing, one prefetched).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from MaxText.planner.constants import ACTIVATION_BYTES, Stack
+from MaxText.planner.layout import MESH_AXES, Layout
+from MaxText.planner.model import ModelSpec, architecture
+
+
+@lru_cache(maxsize=4)
+def _boxed_leaves(config_json: str) -> tuple[tuple[tuple[str | None, ...], tuple[int, ...], int, bool], ...]:
+    """(logical names, shape, itemsize, trainable) of every parameter, from an abstract init."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from MaxText.config import Config
+    from MaxText.models.accounting import PARAM_COLLECTIONS, TRAINABLE_COLLECTION
+    from MaxText.models.deepseek import DeepSeekV3
+
+    config = Config.model_validate_json(config_json).with_platform("cpu")
+
+    def init():
+        tokens = jnp.zeros((1, 1), jnp.int32)
+        return DeepSeekV3(config).init(jax.random.key(0), tokens, tokens, tokens)
+
+    with nn.logical_axis_rules(()):
+        variables = jax.eval_shape(init)
+    leaves = []
+    for collection in PARAM_COLLECTIONS:
+        boxes = jax.tree.leaves(variables.get(collection, {}), is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+        for box in boxes:
+            names = tuple(box.names) if isinstance(box, nn.LogicallyPartitioned) else ()
+            value = box.value if isinstance(box, nn.LogicallyPartitioned) else box
+            leaves.append((names, tuple(value.shape), value.dtype.itemsize, collection == TRAINABLE_COLLECTION))
+    return tuple(leaves)
+
+
+def sharded_state_bytes(spec: ModelSpec, layout: Layout) -> float:
+    """Bytes of weights, gradients and Adam moments per GPU under the repository's sharding rules."""
+    from MaxText.config import ConfigError
+    from MaxText.parallel.sharding import axis_rules, parameter_mesh_axes
+
+    axis_sizes = {a: layout.size(a) for a in MESH_AXES}
+    if spec.config is None:  # no repository model: split everything over every axis but data
+        return 16.0 * spec.params / (layout.num_gpus // layout.size("data"))
+    rules = axis_rules(spec.config)
+    total = 0.0
+    for names, shape, itemsize, trainable in _boxed_leaves(
+        architecture(spec.config, keep_length=False).model_dump_json()
+    ):
+        ways = 1
+        if names:
+            try:
+                assigned = parameter_mesh_axes(names, shape, rules, axis_sizes)
+            except ValueError as err:
+                raise ConfigError(f"config key 'logical_axis_rules': a parameter {shape} {err}") from None
+            for axes in assigned:
+                for axis in (axes,) if isinstance(axes, str) else axes or ():
+                    ways *= axis_sizes[axis]
+        copies = 4 if trainable else 1  # weight, gradient, Adam mu and nu in weight_dtype
+        total += math.prod(shape) / ways * itemsize * copies
+    return total / layout.pp
+
+
+def distributed_optimizer_bytes(spec: ModelSpec, layout: Layout, precision: str) -> float:
+    dense = spec.params_dense / (layout.tp * layout.pp)
+    experts = spec.params_expert / layout.expert_shards
+    dp_dense, dp_experts = layout.size("data", "fsdp", "expert"), layout.size("data", "fsdp")
+    weights = {"bf16": 2, "fp8": 1, "mxfp8": 2}[precision]  # FP8 weights replace the BF16 copy (fp8-param-gather)
+    per_param = weights + 4  # + the fp32 main gradient
+    return dense * (per_param + 12 / dp_dense) + experts * (per_param + 12 / dp_experts)
+
+
+def activation_bytes(spec: ModelSpec, layout: Layout) -> float:
+    t = layout.mbs * spec.seq_len / layout.tp
+    pp, vpp = layout.pp, layout.vpp
+    in_flight = 1 + (pp - 1) / (pp * vpp)  # micro-batches x stage fraction, relative to one whole model
+    if layout.remat == "none":
+        kept = spec.act_none * in_flight
+    elif layout.remat in ("minimal", "selective"):
+        kept = (spec.act_minimal if layout.remat == "minimal" else spec.act_selective) * in_flight
+    else:
+        kept = spec.d_model * spec.layers * in_flight + spec.act_layer
+    logits = t * spec.vocab * 4 * 2 if pp == 1 else 0.0  # the last stage holds fewer micro-batches
+    return t * kept * ACTIVATION_BYTES + logits
+
+
+def buffer_bytes(spec: ModelSpec, layout: Layout, stack: Stack, exchange_buffer_factor: float) -> float:
+    t = layout.mbs * spec.seq_len / layout.tp
+    D, K = spec.d_model, spec.top_k
+    if stack.exchange == "allgather":
+        exchange = 2 * t * layout.ep * D * ACTIVATION_BYTES
+    else:
+        exchange = 2 * exchange_buffer_factor * t * min(K, layout.ep) * D * ACTIVATION_BYTES
+    gathered = 0.0
+    if stack.state == "sharded":
+        per_layer = spec.params_dense / spec.layers / layout.tp + spec.params_expert / spec.moe_layers / (
+            layout.expert_shards / layout.pp
+        )
+        gathered = 2 * per_layer * ACTIVATION_BYTES
+    return exchange + gathered
+
+
+def memory_per_gpu(
+    spec: ModelSpec, layout: Layout, stack: Stack, precision: str, exchange_buffer_factor: float
+) -> dict[str, float]:
+    """Bytes per GPU by kind, and their total (the worst pipeline stage)."""
+    if stack.state == "sharded":
+        state = sharded_state_bytes(spec, layout)
+    else:
+        state = distributed_optimizer_bytes(spec, layout, precision)
+    parts = {
+        "state": state,
+        "activations": activation_bytes(spec, layout),
+        "buffers": buffer_bytes(spec, layout, stack, exchange_buffer_factor),
+    }
+    parts["total"] = sum(parts.values())
+    return parts

@@ -1,0 +1,56 @@
+"""Arguments that turn a 671B cluster recipe into deepseek3-tiny on two CPU processes, appended
+last (``MAXTEXT_ARGS``) so that they win over the recipe's own.
+
+Every mesh key is set, so whatever layout the recipe has never reaches the two processes. The
+result is the very program ``recipes/slurm/smoke.sbatch`` compiles on two tasks (data parallelism,
+the same batch, sequence length, dtype and learning-rate schedule; only ``steps`` is shorter).
+XLA_FLAGS are part of JAX's compilation-cache key, and the 671B recipes set the GPU image's flags,
+so the smoke runs get those flags too (``image_xla_flags``: what tasks inside the image see; inert
+on CPU). With a shared JAX compilation cache (``jax_cache_env``) the two-process runs of the test
+suite then compile the training step once: a cold run of two tasks took 37-49 CPU-seconds per
+process here, a cached single-process run about 8.
+"""
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+SMOKE_STEPS = 10  # recipes/slurm/smoke.sbatch's steps=
+STEPS = 3
+TINY_ON_TWO_CPUS = (
+    "model_name=deepseek3-tiny",
+    "hardware=cpu",
+    "dtype=float32",
+    "dataset_type=synthetic",
+    "tokenizer_type=byte",
+    "max_target_length=64",
+    "per_device_batch_size=8",
+    f"steps={STEPS}",
+    f"learning_rate_schedule_steps={SMOKE_STEPS}",
+    "log_period=1",
+    "ici_data_parallelism=-1",
+    "ici_fsdp_parallelism=1",
+    "ici_expert_parallelism=1",
+    "ici_tensor_parallelism=1",
+    "dcn_data_parallelism=1",
+    "dcn_fsdp_parallelism=1",
+    "dcn_expert_parallelism=1",
+    "dcn_tensor_parallelism=1",
+)
+
+
+def jax_cache_env(tmp_path_factory) -> dict[str, str]:
+    """A persistent JAX compilation cache shared by the test session's workers (pytest-xdist gives
+    each worker its own folder under one session folder). Only a speed-up: the cache is keyed by
+    the compiled program, so a miss compiles again."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if base.name.startswith("popen-gw") else base) / "jax-cache"
+    folder.mkdir(exist_ok=True)
+    return {"JAX_COMPILATION_CACHE_DIR": str(folder)}
+
+
+def image_xla_flags() -> str:
+    """XLA_FLAGS as the GPU image sets them (docker/Dockerfile.gpu's ENV)."""
+    dockerfile = (REPO / "docker" / "Dockerfile.gpu").read_text().replace("\\\n", " ")
+    return " ".join(re.search(r'^ENV XLA_FLAGS="([^"]*)"', dockerfile, re.M).group(1).split())

@@ -1,0 +1,126 @@
+"""The Kubernetes recipe's pods, started as local processes: each pod's environment is rendered
+from the JobSet manifest the way Kubernetes and the JobSet controller fill it in, and the pod's
+own command runs with exactly that environment, scaled down to two pods.
+
+Rendering a pod (rack r = the JobSet's job index, pod i = the Indexed Job's completion index):
+the container's literal ``env`` values, ``JOB_INDEX`` from the job-index annotation (a
+``fieldRef``), and ``JOB_COMPLETION_INDEX``, which Kubernetes sets in every pod of an Indexed Job.
+The pod's script computes ``JAX_PROCESS_ID`` from them. Scaling down changes only what the
+manifest ties to its size, after checking at full size that those fields agree:
+replicas x pods per rack = ``JAX_NUM_PROCESSES`` = the ComputeDomain's ``numNodes``,
+``PODS_PER_RACK`` = the child Job's parallelism, the GPUs each process drives
+(``JAX_LOCAL_DEVICE_IDS``) = the GPUs the pod asks for, and the coordinator address = pod 0 of
+rack 0 through the JobSet's headless Service (locally 127.0.0.1 on a free port). ``python`` is
+this interpreter, found on ``PATH`` as in the image; ``MAXTEXT_ARGS`` scales the model down
+(tests/cluster/scaled_down.py).
+Two racks of one pod each, so the rack index (not only the pod index) decides the process id.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from cluster.scaled_down import STEPS, TINY_ON_TWO_CPUS, jax_cache_env
+
+REPO = Path(__file__).resolve().parents[1]
+MANIFEST = REPO / "recipes" / "k8s" / "deepseek3-671b-gb300-nvl72.yaml"
+JOB_INDEX_ANNOTATION = "metadata.annotations['jobset.sigs.k8s.io/job-index']"
+RACKS, PODS_PER_RACK = 2, 1
+
+
+def manifest_parts() -> tuple[dict, dict, dict, dict]:
+    """(JobSet, ComputeDomain, the replicated Job, the training container)."""
+    docs = [d for d in yaml.safe_load_all(MANIFEST.read_text()) if d]
+    (jobset,) = [d for d in docs if d["kind"] == "JobSet"]
+    (domain,) = [d for d in docs if d["kind"] == "ComputeDomain"]
+    (rjob,) = jobset["spec"]["replicatedJobs"]
+    (container,) = rjob["template"]["spec"]["template"]["spec"]["containers"]
+    return jobset, domain, rjob, container
+
+
+def literal_env(container: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container["env"] if "value" in e}
+
+
+def test_fields_that_must_agree_do():
+    jobset, domain, rjob, container = manifest_parts()
+    env = literal_env(container)
+    pods = rjob["template"]["spec"]["parallelism"]
+    gpus_per_pod = int(container["resources"]["limits"]["nvidia.com/gpu"])
+    assert rjob["replicas"] * pods == int(env["JAX_NUM_PROCESSES"]) == domain["spec"]["numNodes"]
+    assert int(env["PODS_PER_RACK"]) == pods == rjob["template"]["spec"]["completions"]
+    assert env["JAX_LOCAL_DEVICE_IDS"].split(",") == [str(g) for g in range(gpus_per_pod)]
+    service = f"{jobset['metadata']['name']}-{rjob['name']}-0-0.{jobset['spec']['network']['subdomain']}"
+    assert env["JAX_COORDINATOR_ADDRESS"].rpartition(":")[0] == service
+    (job_index,) = [e for e in container["env"] if e["name"] == "JOB_INDEX"]
+    assert job_index["valueFrom"]["fieldRef"]["fieldPath"] == JOB_INDEX_ANNOTATION
+
+
+def render_pod_env(container: dict, racks: int, pods_per_rack: int, rack: int, pod: int, coordinator: str) -> dict:
+    """One pod's environment, for a JobSet of ``racks`` child Jobs of ``pods_per_rack`` pods."""
+    env = literal_env(container)
+    env.update(
+        JAX_NUM_PROCESSES=str(racks * pods_per_rack),
+        PODS_PER_RACK=str(pods_per_rack),
+        JAX_COORDINATOR_ADDRESS=coordinator,
+        JOB_INDEX=str(rack),  # the fieldRef to the job-index annotation
+        JOB_COMPLETION_INDEX=str(pod),  # set by Kubernetes in an Indexed Job
+    )
+    return env
+
+
+@pytest.fixture(scope="module")
+def pods_run(tmp_path_factory) -> tuple[Path, list[str]]:
+    """Every pod of the scaled-down JobSet, started with its rendered environment; (run dir, logs)."""
+    _, _, _, container = manifest_parts()
+    output = tmp_path_factory.mktemp("k8s")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        coordinator = f"127.0.0.1:{s.getsockname()[1]}"
+    base = {
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "HOME": os.environ.get("HOME", "/root"),
+        "MAXTEXT_ARGS": " ".join((*TINY_ON_TWO_CPUS, f"base_output_directory={output}")),
+        **jax_cache_env(tmp_path_factory),  # a speed-up only
+    }
+    processes = [
+        subprocess.Popen(
+            [*container["command"], *container["args"]],
+            env={**base, **render_pod_env(container, RACKS, PODS_PER_RACK, rack, pod, coordinator)},
+            cwd=REPO,  # the image's workingDir holds the repository
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rack in range(RACKS)
+        for pod in range(PODS_PER_RACK)
+    ]
+    logs = []
+    try:
+        for process in processes:
+            logs.append(process.communicate(timeout=300)[0])
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    for process, log in zip(processes, logs, strict=True):
+        assert process.returncode == 0, log[-3000:]
+    run_name = next(a.split("=", 1)[1] for a in container["args"][0].split() if a.startswith("run_name="))
+    return output / run_name, logs
+
+
+def test_pods_form_one_jax_job(pods_run):
+    run_dir, logs = pods_run
+    config = yaml.safe_load((run_dir / "config.yml").read_text())
+    assert (config["runtime"]["num_processes"], config["runtime"]["num_devices"]) == (RACKS * PODS_PER_RACK, 2)
+    assert (config["model_name"], config["hardware"]) == ("deepseek3-tiny", "cpu")
+    steps = [yaml.safe_load(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, STEPS + 1))
+    # Only process 0 reports: the pod of rack 0, index 0 (JAX_PROCESS_ID = 0), and no other.
+    assert ["final loss" in log for log in logs] == [True] + [False] * (len(logs) - 1)

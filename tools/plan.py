@@ -1,0 +1,167 @@
+"""The scale planner: memory, step time, TFLOPS/GPU and scaling of DeepSeek-V3 training layouts.
+
+    python tools/plan.py model_name=deepseek3-671b --system gb200-nvl72 --gpus 256
+    python tools/plan.py model_name=deepseek3-671b --system gb300-nvl72 --gpus 1024 --pipeline --emit-config plan.yml
+    python tools/plan.py model_name=deepseek3-671b ici_expert_parallelism=64 dcn_fsdp_parallelism=-1 \\
+        ici_fsdp_parallelism=1 --system gb200-nvl72 --gpus 256        # cost the layout the config names
+    python tools/plan.py --arch qwen3-235b-a22b --system h100 --gpus 256 --stack megatron --tp 2 --pp 8 --vpp 4 --ep 32 --gbs 2048
+    python tools/plan.py --calibrate                                 # published results vs the model
+
+Arguments other than flags are config arguments, as for training. With no layout named (neither a
+``*_parallelism`` key nor ``--tp/--pp/--ep``), the planner searches the layouts this repository can
+run and prints the best few with why each loses; ``--emit-config`` writes the winner as a YAML
+overlay of base.yml keys. Bad input exits 2 with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # only shapes are traced: never claim an accelerator
+
+import yaml  # noqa: E402
+
+from MaxText.config import ConfigError, load_config  # noqa: E402
+from MaxText.planner.constants import DEFAULT_STACK, STACKS  # noqa: E402
+from MaxText.planner.systems import PRECISIONS, SYSTEMS  # noqa: E402
+
+ARCHS = ("qwen3-235b-a22b",)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse prints usage + message; one line is the contract
+        raise ConfigError(f"arguments: {message}")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = OneLineParser(description=__doc__.splitlines()[0])
+    p.add_argument("config", nargs="*", help="[extra.yml ...] key=value ... (as for training)")
+    p.add_argument("--system", choices=sorted(SYSTEMS))
+    p.add_argument("--gpus", type=int)
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16", help="GEMM precision (attention stays bf16)")
+    p.add_argument("--stack", choices=sorted(STACKS), default=DEFAULT_STACK, help="software stack to model")
+    p.add_argument("--arch", choices=ARCHS, help="a model the config cannot express (the planner's own description)")
+    p.add_argument("--seq", type=int, default=4096, help="sequence length of an --arch model")
+    p.add_argument("--tp", type=int, help="Megatron-style layout: tensor parallelism")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (modelled; not runnable here)")
+    p.add_argument("--vpp", type=int, default=1, help="virtual pipeline stages per GPU")
+    p.add_argument("--ep", type=int, help="expert parallelism")
+    p.add_argument("--mbs", type=int, default=1, help="micro-batch sequences per model replica (with --tp/--ep)")
+    p.add_argument("--gbs", type=int, help="global batch in sequences (default: the config's)")
+    p.add_argument(
+        "--remat", choices=("none", "minimal", "selective", "full"), help="default: the config's remat_policy"
+    )
+    p.add_argument("--pipeline", action="store_true", help="also model pipeline layouts and say what they would gain")
+    p.add_argument("--calibrate", action="store_true", help="print published results vs the model's predictions")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--emit-config", type=Path, help="write the best runnable layout as a YAML overlay")
+    p.add_argument("--top", type=int, default=5, help="layouts to list")
+    args = p.parse_args(argv)
+    if not args.calibrate:
+        if args.system is None or args.gpus is None:
+            raise ConfigError("arguments: --system and --gpus are required (or --calibrate)")
+        if args.gpus < 1:
+            raise ConfigError(f"arguments: --gpus must be >= 1, got {args.gpus}")
+        if args.precision == "mxfp8" and not SYSTEMS[args.system].mxfp8:
+            raise ConfigError(f"arguments: --precision mxfp8 needs Blackwell; {args.system} has no MXFP8 tensor cores")
+    for name in ("pp", "vpp", "mbs", "top", "seq"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"arguments: --{name} must be >= 1")
+    return args
+
+
+def _layout_from_config(config, num_gpus: int, remat: str, gbs: int | None):
+    from MaxText.parallel.mesh import mesh_shape
+    from MaxText.planner.layout import MESH_AXES, Layout
+
+    dcn, ici = mesh_shape(config, num_gpus)
+    tp = ici[MESH_AXES.index("tensor")] * dcn[MESH_AXES.index("tensor")]
+    micro = config.micro_batch_size(num_gpus)
+    return Layout(
+        dict(zip(MESH_AXES, ici, strict=True)),
+        dict(zip(MESH_AXES, dcn, strict=True)),
+        mbs=config.per_device_batch_size * tp,
+        gbs=gbs or micro * config.gradient_accumulation_steps,
+        remat=remat,
+    )
+
+
+def run(args: argparse.Namespace) -> dict:
+    from dataclasses import replace
+
+    from MaxText.planner.calibration import run_all
+    from MaxText.planner.estimate import estimate
+    from MaxText.planner.layout import megatron
+    from MaxText.planner.model import from_config, qwen3_235b
+    from MaxText.planner.report import render_calibration, render_estimate, render_search
+    from MaxText.planner.search import search
+
+    if args.calibrate:
+        rows = run_all()
+        return {"calibration": rows, "text": render_calibration(rows)}
+
+    config = load_config(["run_name=plan", *args.config]).with_platform("gpu")
+    spec = qwen3_235b(args.seq) if args.arch else from_config(config)
+    system, stack = SYSTEMS[args.system], STACKS[args.stack]
+    if config.moe_ep_comm == "allgather":
+        stack = replace(stack, exchange="allgather")
+    remat = args.remat or config.remat_policy
+    gbs = args.gbs or config.global_batch_size(args.gpus)
+    named = any("_parallelism" in a for a in args.config if "=" in a) or any(
+        "_parallelism" in k
+        for a in args.config
+        if a.endswith((".yml", ".yaml"))
+        for k in yaml.safe_load(Path(a).read_text()) or {}
+    )
+    if args.tp or args.ep or args.pp > 1:
+        domain = system.domain_gpus(args.gpus)
+        layout = megatron(args.gpus, domain, args.tp or 1, args.pp, args.ep or 1, args.mbs, gbs, args.vpp, remat)
+    elif named:
+        layout = _layout_from_config(config, args.gpus, remat, args.gbs)
+    else:
+        if spec.config is None:
+            raise ConfigError("arguments: --arch models are costed with a given layout (--tp/--pp/--ep), not searched")
+        result = search(spec, system, stack, args.gpus, gbs, args.precision, config.moe_ep_buffer_factor, args.pipeline)
+        out = {
+            "ranked": [e.as_dict() for e in result.ranked[: args.top]],
+            "rejected": result.rejected,
+            "pipelined": result.pipelined.as_dict() if result.pipelined else None,
+            "text": render_search(result, args.top),
+        }
+        if result.ranked:
+            out["winner_overlay"] = result.ranked[0].layout.overlay()
+        if result.pipelined and result.ranked:
+            out["pipeline_gain"] = result.pipelined.tflops / result.ranked[0].tflops - 1
+        return out
+    est = estimate(spec, layout, system, stack, args.precision, config.moe_ep_buffer_factor)
+    out = est.as_dict()
+    out["text"] = render_estimate(est)
+    if layout.runnable:
+        out["winner_overlay"] = layout.overlay()
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        out = run(args)
+        if args.emit_config:
+            overlay = out.get("winner_overlay")
+            if overlay is None:
+                raise ConfigError("arguments: --emit-config: no runnable layout to write")
+            header = f"# Layout chosen by tools/plan.py for {args.gpus} x {args.system} ({args.precision}, stack {args.stack}).\n"
+            args.emit_config.write_text(header + yaml.safe_dump(overlay, sort_keys=False))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    text = out.pop("text")
+    print(json.dumps(out) if args.json else text)
+
+
+if __name__ == "__main__":
+    main()
