@@ -25,6 +25,18 @@ from MaxText.hf import HFCheckpointError
 
 MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
 
+# The architecture keys that describe the context extension (YaRN) rather than the network's shape:
+# a checkpoint keeps its own, while a pretraining overlay of the same shape uses plain RoPE.
+CONTEXT_EXTENSION_KEYS = (
+    "rope_type",
+    "rope_factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "rope_mscale",
+    "rope_mscale_all_dim",
+)
+
 # Our keys that describe the network; a converted checkpoint's config.yml sets all of them.
 ARCHITECTURE_KEYS = (
     "vocab_size",
@@ -41,13 +53,7 @@ ARCHITECTURE_KEYS = (
     "v_head_dim",
     "rope_max_timescale",
     "rope_interleave",
-    "rope_type",
-    "rope_factor",
-    "original_max_position_embeddings",
-    "beta_fast",
-    "beta_slow",
-    "rope_mscale",
-    "rope_mscale_all_dim",
+    *CONTEXT_EXTENSION_KEYS,
     "num_experts",
     "num_experts_per_tok",
     "shared_experts",
@@ -59,17 +65,6 @@ ARCHITECTURE_KEYS = (
     "n_routing_groups",
     "topk_routing_group",
     "mtp_num_layers",
-)
-# The architecture keys that describe the context extension (YaRN) rather than the network's shape:
-# a checkpoint keeps its own, while a pretraining overlay of the same shape uses plain RoPE.
-CONTEXT_EXTENSION_KEYS = (
-    "rope_type",
-    "rope_factor",
-    "original_max_position_embeddings",
-    "beta_fast",
-    "beta_slow",
-    "rope_mscale",
-    "rope_mscale_all_dim",
 )
 
 

@@ -29,14 +29,13 @@ take per-head keys, and one shape for every backend keeps them interchangeable.
 Shape legend: B batch, S query positions, T key positions, H heads, K qk head dim, V value head dim.
 """
 
-import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from MaxText.config import Config, ConfigError
-from MaxText.layers.common import float32_or_wider
+from MaxText.layers.common import float32_or_wider, import_error
 from MaxText.layers.flash_attention import flash_attention
 from MaxText.layers.rotary import softmax_scale
 
@@ -150,14 +149,9 @@ BACKENDS: dict[str, AttentionBackend] = {
 # ---------------------------------------------------------------- choice and checks
 
 
-@functools.cache  # an import that failed once fails again; don't retry it at every trace
 def transformer_engine_attention_error() -> str | None:
-    """Why Transformer Engine's JAX attention cannot be used here, or None if it can."""
-    try:
-        import transformer_engine.jax.attention  # noqa: F401
-    except Exception as err:  # ImportError, or a CUDA library missing underneath it
-        return f"{type(err).__name__}: {err}".splitlines()[0]
-    return None
+    """Why Transformer Engine's ``transformer_engine.jax.attention`` cannot be used here, or None if it can."""
+    return import_error("transformer_engine.jax.attention")
 
 
 def resolve_attention(config: Config, seq_len: int, platform: str | None = None) -> str:

@@ -4,6 +4,8 @@ Layers name *logical* axes only (``embed``, ``heads``, ``exp`` ...); ``logical_a
 in base.yml decides which mesh axes they land on.
 """
 
+import functools
+import importlib
 from collections.abc import Sequence
 
 import flax.linen as nn
@@ -43,3 +45,14 @@ def param(module: nn.Module, name: str, config: Config, shape: Sequence[int], lo
 def constrain(x, logical_axes: Sequence[str]):
     """Shard an activation by logical axis names (a no-op outside a mesh)."""
     return nn.with_logical_constraint(x, tuple(logical_axes))
+
+
+@functools.cache  # an import that failed once fails again; don't retry it at every trace
+def import_error(module: str) -> str | None:
+    """Why an optional (GPU-only) module such as ``transformer_engine.jax`` cannot be imported
+    here, in one line, or None if it can."""
+    try:
+        importlib.import_module(module)
+    except Exception as err:  # ImportError, or a CUDA library missing underneath it
+        return f"{type(err).__name__}: {err}".splitlines()[0]
+    return None

@@ -19,13 +19,13 @@ P padded rows.
 """
 
 import contextlib
-import functools
 from collections.abc import Callable
 from functools import partial
 
 import jax
 
 from MaxText.config import Config, ConfigError
+from MaxText.layers.common import import_error
 from MaxText.moe.blocked import blocked_swiglu, expert_blocks, level_rows
 from MaxText.moe.capacity import capacity_experts
 from MaxText.moe.dispatch import BlockLayout, block_layout, combine, from_blocks, to_blocks
@@ -85,14 +85,9 @@ def row_multiple(backend: str, config: Config) -> int:
     return config.moe_min_block_rows if backend == "blocked" else 1
 
 
-@functools.cache  # an import that failed once fails again; don't retry it at every trace
 def transformer_engine_error() -> str | None:
-    """Why Transformer Engine's JAX API cannot be used here, or None if it can."""
-    try:
-        import transformer_engine.jax  # noqa: F401
-    except Exception as err:  # ImportError, or a CUDA library missing underneath it
-        return f"{type(err).__name__}: {err}".splitlines()[0]
-    return None
+    """Why Transformer Engine's ``transformer_engine.jax`` cannot be used here, or None if it can."""
+    return import_error("transformer_engine.jax")
 
 
 def _resolve_auto(name: str, platform: str | None, accelerator_choice: str, cpu_choice: str) -> str:
