@@ -59,6 +59,7 @@ NonNegative = Annotated[int, Field(ge=0)]  # counts where 0 means none or off
 CountOrMinusOne = Annotated[int, AfterValidator(_minus_one_or_count)]  # -1 is a sentinel (fill, all, = steps)
 Probability = Annotated[float, Field(ge=0, le=1)]  # probabilities and fractions
 Decay = Annotated[float, Field(ge=0, lt=1)]  # moving-average decays (Adam betas)
+Share = Annotated[float, Field(gt=0, le=1)]  # a part of a whole that cannot be 0 (a rate multiplier)
 Positive = Annotated[float, Field(gt=0)]  # epsilons, scales, standard deviations
 NonNegativeFloat = Annotated[float, Field(ge=0)]  # rates and weights, 0 = off
 
@@ -150,6 +151,7 @@ class Config(BaseModel):
     routed_bias: bool
     routed_bias_update_rate: Decay
     routed_bias_update_rule: Literal["sign", "proportional"]
+    router_learning_rate_scale: Share
     routed_scaling_factor: Positive
     routed_norm_topk_prob: bool
     n_routing_groups: Count

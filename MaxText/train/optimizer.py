@@ -2,6 +2,11 @@
 
 Weight decay applies to matrices and embeddings only: RMSNorm scales (leaf name ``scale``) are
 excluded, and the router's correction bias is not a gradient-trained parameter at all.
+
+The routers (leaf name ``router``) can learn at a fraction of the rate (``router_learning_rate_scale``):
+Adam moves every weight at the full rate however small and steady its gradient, so in a short,
+fast run a router's small preference for its best-trained experts grows into a gap between
+experts, shared by every token, faster than the correction bias can follow.
 """
 
 from typing import Any
@@ -36,6 +41,18 @@ def weight_decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
+def scale_leaves_named(name: str, factor: float) -> optax.GradientTransformation:
+    """Multiply the updates of every leaf called ``name`` by ``factor``."""
+
+    def update(updates, state, params=None):
+        def scale(path, u):
+            return u * factor if getattr(path[-1], "key", None) == name else u
+
+        return jax.tree_util.tree_map_with_path(scale, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(config: Config) -> optax.GradientTransformation:
     adamw = optax.adamw(
         learning_rate_schedule(config),
@@ -45,6 +62,9 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
         weight_decay=config.adam_weight_decay,
         mask=weight_decay_mask,
     )
+    parts = [adamw]
     if config.gradient_clipping_threshold > 0:
-        return optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), adamw)
-    return adamw
+        parts.insert(0, optax.clip_by_global_norm(config.gradient_clipping_threshold))
+    if config.router_learning_rate_scale != 1:
+        parts.append(scale_leaves_named("router", config.router_learning_rate_scale))
+    return optax.chain(*parts) if len(parts) > 1 else adamw
