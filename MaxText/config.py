@@ -107,6 +107,7 @@ class Config(BaseModel):
     dtype: DType
     weight_dtype: ParamDType
     remat_policy: Literal["none", "minimal", "full"]
+    output_head_chunks: Count
     # model shape
     vocab_size: Count
     base_emb_dim: Count
@@ -295,6 +296,11 @@ def check_rules(c: Config) -> None:
         -1 not in c.ici_parallelism() or -1 not in c.dcn_parallelism(),
         "dcn_*_parallelism",
         "a -1 (fill) in both ici_* and dcn_* is ambiguous; set one of them explicitly",
+    )
+    _require(
+        c.max_target_length % c.output_head_chunks == 0,
+        "output_head_chunks",
+        f"{c.output_head_chunks} slices do not divide max_target_length ({c.max_target_length})",
     )
     expert_ways = c.ici_expert_parallelism * c.dcn_expert_parallelism
     if expert_ways > 0:  # -1 (fill) is checked when the mesh is built

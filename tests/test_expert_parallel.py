@@ -209,3 +209,25 @@ def test_model_stats_shows_the_exchange_buffers(capsys):
     table = capsys.readouterr().out
     assert "(ragged_all_to_all, ep 64, 4,096 tokens per device, bfloat16)" in table
     assert "5.64" in table and "16.92" in table  # the by-hand figures above, in GB
+
+
+def test_layout_passes_hold_every_active_copy_once():
+    """A layout of ``capacity`` copies per pass: the passes together hold each active copy exactly
+    once, in the rows of its own expert, and every pass has the same static size."""
+    from MaxText.moe.dispatch import block_layout, num_padded_rows
+
+    T, K, E, m, capacity = 40, 3, 5, 4, 17
+    rng = np.random.default_rng(0)
+    experts_TK = jnp.asarray(np.argsort(rng.random((T, E)), axis=1)[:, :K], jnp.int32)
+    active_TK = jnp.asarray(rng.random((T, K)) < 0.7)
+    held = []
+    for q in range(-(-T * K // capacity)):
+        layout = block_layout(experts_TK, E, m, active_TK, capacity, q * capacity)
+        assert layout.valid_P.shape == (num_padded_rows(capacity, E, m),)
+        copies = np.asarray(layout.copy_P)[np.asarray(layout.valid_P)]
+        rows = np.flatnonzero(np.asarray(layout.valid_P))
+        expert_of_row = np.searchsorted(np.cumsum(layout.padded_E), rows, side="right")
+        np.testing.assert_array_equal(np.asarray(experts_TK).reshape(-1)[copies], expert_of_row)
+        assert len(copies) <= capacity
+        held.extend(copies.tolist())
+    assert sorted(held) == np.flatnonzero(np.asarray(active_TK).reshape(-1)).tolist()

@@ -3,6 +3,7 @@
 import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import yaml
@@ -21,6 +22,7 @@ from MaxText.planner.systems import SYSTEMS
 from tools import plan
 
 TE = STACKS["te-jax"]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +160,30 @@ def test_search_winner_is_legal_for_the_repository(v3):
     dcn, ici = mesh_shape(config, 1024)
     assert math.prod(ici) <= SYSTEMS["gb300-nvl72"].nvlink_domain and math.prod(ici) * math.prod(dcn) == 1024
     assert 256 % winner.layout.ep == 0
+
+
+@pytest.mark.parametrize(
+    "recipe, system",
+    [
+        ("recipes/slurm/deepseek3-671b-gb200-nvl72.sbatch", "gb200-nvl72"),
+        ("recipes/k8s/deepseek3-671b-gb300-nvl72.yaml", "gb300-nvl72"),
+    ],
+)
+def test_recipes_run_the_planners_layout(v3, recipe, system):
+    """The 671B recipes' mesh, micro-batch and remat policy are the planner's winner for their
+    system and GPU count, for this repository's stack (no pipelining)."""
+    from tools.aot_compile import read_recipe
+
+    args, gpus = read_recipe(ROOT / recipe)
+    config = load_config(args)
+    winner = search(v3, SYSTEMS[system], TE, gpus, config.per_device_batch_size * gpus).ranked[0]
+    planned = config.model_copy(update=winner.layout.overlay())
+    assert mesh_shape(config, gpus) == mesh_shape(planned, gpus), winner.layout.describe()
+    assert (config.remat_policy, config.per_device_batch_size, config.gradient_accumulation_steps) == (
+        planned.remat_policy,
+        planned.per_device_batch_size,
+        planned.gradient_accumulation_steps,
+    )
 
 
 # ---------------------------------------------------------------- command line

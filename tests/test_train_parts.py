@@ -198,3 +198,38 @@ def _lm_mean(config, params, bias, batch):
         return cross_entropy(logits, batch["targets"], (batch["targets_segmentation"] != 0).astype(jnp.float32))
 
     return float(mean(params, bias, batch))
+
+
+def test_output_head_in_slices_equals_the_whole_head():
+    """``output_head_chunks``: the loss (main and MTP heads) and every gradient equal the head
+    applied to the whole sequence, with padding; and the logits are never whole."""
+    import flax.linen as nn
+
+    from MaxText.models.deepseek import DeepSeekV3
+    from MaxText.moe.block import BIAS
+    from MaxText.train.loss import compute_loss
+    from MaxText.train.state import dummy_inputs
+
+    whole, sliced = (make_config("dtype=float32", f"output_head_chunks={n}") for n in (1, 4))
+    variables = nn.unbox(DeepSeekV3(whole).init(jax.random.key(0), *dummy_inputs(whole)))
+    params, bias = variables["params"], variables[BIAS]
+    batch = _padded_batch(whole, [whole.max_target_length, 37], seed=2)
+
+    def loss_and_grads(config):
+        fn = jax.value_and_grad(lambda p: compute_loss(DeepSeekV3(config), config, p, bias, batch).loss)
+        return jax.jit(fn)(params)
+
+    (loss_1, grads_1), (loss_4, grads_4) = loss_and_grads(whole), loss_and_grads(sliced)
+    np.testing.assert_allclose(loss_4, loss_1, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(grads_4), jax.tree.leaves(grads_1), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+    S, V = whole.max_target_length, whole.vocab_size
+    hlo = jax.jit(lambda p: compute_loss(DeepSeekV3(sliced), sliced, p, bias, batch).loss).lower(params).as_text()
+    assert f"2x{S // 4}x{V}xf32" in hlo and f"2x{S}x{V}xf32" not in hlo  # [B, S, V] logits
+
+
+def test_output_head_chunks_must_divide_the_sequence():
+    from MaxText.config import ConfigError
+
+    with pytest.raises(ConfigError, match="output_head_chunks"):
+        make_config("output_head_chunks=3")

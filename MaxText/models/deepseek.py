@@ -23,6 +23,25 @@ class ModelOutput(NamedTuple):
     mtp_logits_NBSV: jax.Array | None  # MTP depth k predicts token i+k+1 at position i (k = 1..N)
 
 
+class HeadInputs(NamedTuple):
+    """What the output head reads (``logits=False``): the loss applies the head itself, a slice of
+    the sequence at a time (``output_head_chunks``), so the [B, S, V] logits are never whole."""
+
+    normed_BSD: jax.Array
+    mtp_normed_NBSD: jax.Array | None
+
+
+def output_logits(normed_BSD: jax.Array, head_DV: jax.Array) -> jax.Array:
+    """The output head: [B, S, D] x [D, V] -> [B, S, V] logits in float32 (or wider)."""
+    out = jnp.einsum("bsd,dv->bsv", normed_BSD, head_DV, preferred_element_type=float32_or_wider(head_DV.dtype))
+    return constrain(out, ("activation_batch", "activation_length", "activation_vocab"))
+
+
+def output_head(params: dict, config: Config) -> jax.Array:
+    """The head's [D, V] weight from trained parameters, in the dtype the model computes with."""
+    return jnp.asarray(params["output_head"], activation_dtype(config))
+
+
 def shift_left(x_BS: jax.Array, k: int) -> jax.Array:
     """``x[:, i + k]`` at position i; the last k positions wrap around (callers mask them)."""
     return jnp.roll(x_BS, -k, axis=1)
@@ -32,19 +51,24 @@ class DeepSeekV3(nn.Module):
     config: Config
 
     @nn.compact
-    def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array, segment_ids_BS: jax.Array) -> ModelOutput:
+    def __call__(
+        self, tokens_BS: jax.Array, positions_BS: jax.Array, segment_ids_BS: jax.Array, logits: bool = True
+    ) -> ModelOutput | HeadInputs:
+        """Next-token logits of the main head and every MTP depth, or with ``logits=False`` the
+        normalised hidden states they are computed from."""
         c = self.config
         V, D = c.vocab_size, c.emb_dim
         embedding_VD = self.param("token_embedding", kernel_init(c, ("vocab", "embed")), (V, D), weight_dtype(c))
 
         def embed(ids_BS: jax.Array) -> jax.Array:
-            return constrain(jnp.asarray(embedding_VD, activation_dtype(c))[ids_BS], ACTIVATION_AXES)
+            # Whole rows on every device (gathered once, in the compute dtype), so each batch shard
+            # looks its tokens up locally: a lookup into the table's sharded embed dim would have
+            # to move the [B, S, D] result from embed-sharded to batch-sharded, which XLA can only
+            # do by replicating it when the data axis is larger than 1.
+            table_VD = constrain(jnp.asarray(embedding_VD, activation_dtype(c)), ("vocab", None))
+            return constrain(table_VD[ids_BS], ACTIVATION_AXES)
 
         head_DV = param(self, "output_head", c, (D, V), ("embed", "vocab"))
-
-        def logits(normed_BSD: jax.Array) -> jax.Array:
-            out = jnp.einsum("bsd,dv->bsv", normed_BSD, head_DV, preferred_element_type=float32_or_wider(head_DV.dtype))
-            return constrain(out, ("activation_batch", "activation_length", "activation_vocab"))
 
         x_BSD = embed(tokens_BS)
         if c.first_num_dense_layers > 0:
@@ -53,12 +77,14 @@ class DeepSeekV3(nn.Module):
             )
         if c.num_moe_layers > 0:
             x_BSD = LayerStack(c, True, c.num_moe_layers, name="moe_layers")(x_BSD, positions_BS, segment_ids_BS)
-        main_logits = logits(RMSNorm(c, name="final_norm")(x_BSD))
+        normed = [RMSNorm(c, name="final_norm")(x_BSD)]
 
-        mtp_logits = []
         h_BSD = x_BSD
         for k in range(1, c.mtp_num_layers + 1):
             mtp = MTPModule(c, name=f"mtp_{k}")
             h_BSD, normed_BSD = mtp(h_BSD, embed(shift_left(tokens_BS, k)), positions_BS, segment_ids_BS)
-            mtp_logits.append(logits(normed_BSD))
-        return ModelOutput(main_logits, jnp.stack(mtp_logits) if mtp_logits else None)
+            normed.append(normed_BSD)
+        if not logits:
+            return HeadInputs(normed[0], jnp.stack(normed[1:]) if len(normed) > 1 else None)
+        all_logits = [output_logits(n, head_DV) for n in normed]
+        return ModelOutput(all_logits[0], jnp.stack(all_logits[1:]) if len(all_logits) > 1 else None)

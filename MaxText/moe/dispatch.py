@@ -13,6 +13,7 @@ Shape legend: T tokens, K experts per token (top-k), E experts, M = T*K routed r
 P padded rows, D feature dim.
 """
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -37,22 +38,36 @@ def num_padded_rows(num_rows: int, num_experts: int, row_multiple: int) -> int:
 
 
 def block_layout(
-    experts_TK: jax.Array, num_experts: int, row_multiple: int, active_TK: jax.Array | None = None
+    experts_TK: jax.Array,
+    num_experts: int,
+    row_multiple: int,
+    active_TK: jax.Array | None = None,
+    capacity: int | None = None,
+    skip: jax.Array | int = 0,
 ) -> BlockLayout:
-    """The padded layout of every copy whose ``active_TK`` is true (all by default). Inactive
+    """The padded layout of the copies whose ``active_TK`` is true (all by default). Inactive
     copies (for example, routed to another device's experts) get no row: they read an
-    always-zero row and contribute nothing."""
+    always-zero row and contribute nothing.
+
+    With ``capacity``, the layout has rows for that many copies only: those at positions
+    ``[skip, skip + capacity)`` of the expert-sorted order; the others are left out like
+    inactive ones (a later pass takes them with a larger ``skip``)."""
     T, K = experts_TK.shape
     M, m = T * K, row_multiple
-    P = num_padded_rows(M, num_experts, m)
+    window = M if capacity is None else min(M, capacity)
+    P = num_padded_rows(window, num_experts, m)
     active_M = jnp.ones((M,), bool) if active_TK is None else active_TK.reshape(M)
     flat_M = jnp.where(active_M, experts_TK.reshape(M), num_experts)  # inactive copies sort last
     order_M = jnp.argsort(flat_M, stable=True)  # sorted position -> (token, slot) copy
-    sizes_E = jnp.zeros((num_experts + 1,), jnp.int32).at[flat_M].add(1)[:num_experts]
+    all_sizes_E = jnp.zeros((num_experts + 1,), jnp.int32).at[flat_M].add(1)[:num_experts]
+    all_start_E = jnp.cumsum(all_sizes_E) - all_sizes_E  # first sorted position of each expert
+    # The window [skip, skip + window) of sorted positions, expert by expert.
+    first_E = jnp.clip(skip - all_start_E, 0, all_sizes_E)
+    sizes_E = jnp.clip(skip + window - all_start_E, 0, all_sizes_E) - first_E
+    sorted_start_E = all_start_E + first_E  # first sorted position of each expert's rows here
     padded_E = (sizes_E + m - 1) // m * m
     end_E = jnp.cumsum(padded_E)
     start_E = end_E - padded_E
-    sorted_start_E = jnp.cumsum(sizes_E) - sizes_E  # first sorted position of each expert
 
     p_P = jnp.arange(P)
     expert_P = jnp.minimum(jnp.searchsorted(end_E, p_P, side="right"), num_experts - 1)
@@ -61,10 +76,11 @@ def block_layout(
     sorted_P = jnp.where(valid_P, sorted_start_E[expert_P] + offset_P, 0)
     copy_P = jnp.where(valid_P, order_M[sorted_P], 0)
 
-    # The padded row of each copy: its expert's first padded row + its rank within the expert.
+    # The padded row of each copy here: its expert's first padded row + its rank within the expert.
     rank_M = jnp.zeros((M,), jnp.int32).at[order_M].set(jnp.arange(M, dtype=jnp.int32))
+    here_M = active_M & (rank_M >= skip) & (rank_M < skip + window)
     expert_M = jnp.minimum(flat_M, num_experts - 1)
-    row_M = jnp.where(active_M, start_E[expert_M] + rank_M - sorted_start_E[expert_M], P - 1)
+    row_M = jnp.where(here_M, start_E[expert_M] + rank_M - sorted_start_E[expert_M], P - 1)
     return BlockLayout(copy_P // K, valid_P, row_M.reshape(T, K), copy_P, sizes_E, start_E, padded_E)
 
 
@@ -88,29 +104,37 @@ def _gather_rows_fwd(x_TD, token_P, valid_P, row_TK):
 
 def _gather_rows_bwd(residuals, dxp_PD):
     token_P, valid_P, row_TK = residuals
-    return dxp_PD[row_TK].sum(axis=1), None, None, None  # sum over each token's K copies
+    return _sum_rows_at(dxp_PD, row_TK), None, None, None  # sum over each token's K copies
 
 
 gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
+def _sum_rows_at(a_PD: jax.Array, row_TK: jax.Array) -> jax.Array:
+    """``a_PD[row_TK].sum(axis=1)`` one slot at a time, so that no [T, K, D] array is formed."""
+    total_TD = a_PD[row_TK[:, 0]]
+    for k in range(1, row_TK.shape[1]):
+        total_TD = total_TD + a_PD[row_TK[:, k]]
+    return total_TD
+
+
 @jax.custom_vjp
-def gather_copies(yp_PD: jax.Array, copy_P: jax.Array, valid_P: jax.Array, row_TK: jax.Array) -> jax.Array:
-    """[P, D] rows -> [T, K, D] each token's K copies (zero for inactive copies)."""
-    return yp_PD[row_TK]
+def sum_copies(yp_PD: jax.Array, copy_P: jax.Array, valid_P: jax.Array, row_TK: jax.Array) -> jax.Array:
+    """[P, D] rows -> [T, D] the sum of each token's K copies (inactive copies read a zero row)."""
+    return _sum_rows_at(yp_PD, row_TK)
 
 
-def _gather_copies_fwd(yp_PD, copy_P, valid_P, row_TK):
-    return gather_copies(yp_PD, copy_P, valid_P, row_TK), (copy_P, valid_P, row_TK)
+def _sum_copies_fwd(yp_PD, copy_P, valid_P, row_TK):
+    return sum_copies(yp_PD, copy_P, valid_P, row_TK), (copy_P, valid_P, row_TK)
 
 
-def _gather_copies_bwd(residuals, dy_TKD):
+def _sum_copies_bwd(residuals, dy_TD):
     copy_P, valid_P, row_TK = residuals
-    T, K, D = dy_TKD.shape
-    return jnp.where(valid_P[:, None], dy_TKD.reshape(T * K, D)[copy_P], 0), None, None, None
+    K = row_TK.shape[1]
+    return jnp.where(valid_P[:, None], dy_TD[copy_P // K], 0), None, None, None
 
 
-gather_copies.defvjp(_gather_copies_fwd, _gather_copies_bwd)
+sum_copies.defvjp(_sum_copies_fwd, _sum_copies_bwd)
 
 
 def to_blocks(x_TD: jax.Array, layout: BlockLayout) -> jax.Array:
@@ -118,9 +142,37 @@ def to_blocks(x_TD: jax.Array, layout: BlockLayout) -> jax.Array:
     return gather_rows(x_TD, layout.token_P, layout.valid_P, layout.row_TK)
 
 
-def from_blocks(yp_PD: jax.Array, layout: BlockLayout) -> jax.Array:
-    """[P, D] padded rows -> [T, K, D] each token's K expert outputs."""
-    return gather_copies(yp_PD, layout.copy_P, layout.valid_P, layout.row_TK)
+def combine_blocks(yp_PD: jax.Array, weights_TK: jax.Array, layout: BlockLayout) -> jax.Array:
+    """[P, D] padded rows -> [T, D]: each token's expert outputs summed with its router weights
+    (weighted in the row layout, so that no [T, K, D] array is formed)."""
+    weight_P = jnp.where(layout.valid_P, weights_TK.reshape(-1)[layout.copy_P], 0)
+    return sum_copies(yp_PD * weight_P[:, None].astype(yp_PD.dtype), layout.copy_P, layout.valid_P, layout.row_TK)
+
+
+def in_rounds(round_fn: Callable[[jax.Array | int], jax.Array], load: jax.Array, per_round: int, rounds: int):
+    """``round_fn(0)`` plus the further rounds ``1 .. rounds - 1`` that ``load`` items, taken
+    ``per_round`` at a time, need. Buffers are sized for one round; the extra rounds run only
+    when ``load > per_round`` (one ``lax.cond``), each skipped once the load is covered and
+    rematerialised in the backward pass, so they keep no residuals. Nothing is dropped: an
+    overflow costs time, not memory."""
+    y = round_fn(0)
+    if rounds == 1:
+        return y
+    nothing = lambda *_: jnp.zeros_like(y)  # noqa: E731
+
+    # Rematerialised around the cond: a cond's residuals inside a scan are stacked per iteration
+    # (the experts' weights once per round); a checkpoint's are its inputs, kept once.
+    @jax.checkpoint
+    def round_if_needed(r):
+        return jax.lax.cond(r * per_round < load, round_fn, nothing, r)
+
+    def more_rounds():
+        def body(acc, r):
+            return acc + round_if_needed(r), None
+
+        return jax.lax.scan(body, nothing(), jnp.arange(1, rounds))[0]
+
+    return y + jax.lax.cond(load > per_round, more_rounds, nothing)
 
 
 def combine(y_TKD: jax.Array, weights_TK: jax.Array) -> jax.Array:

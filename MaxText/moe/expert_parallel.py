@@ -63,7 +63,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from MaxText.config import Config
-from MaxText.moe.dispatch import combine, gather_copies, gather_rows
+from MaxText.moe.dispatch import gather_rows, in_rounds, sum_copies
 
 
 def expert_axis() -> str | None:
@@ -162,6 +162,12 @@ def exchange_buffer_bytes(config: Config, tokens_per_device: int, ep: int, excha
     }
 
 
+def layout_capacity(config: Config, group_tokens: int, ep: int) -> int:
+    """The copies one device's expert layout holds per pass: ``moe_ep_buffer_factor`` x its
+    balanced share of the group's copies (``group_tokens * K / ep``). More take further passes."""
+    return max(1, math.ceil(config.moe_ep_buffer_factor * group_tokens * config.num_experts_per_tok / ep))
+
+
 class Routes(NamedTuple):
     send_Td: jax.Array  # token t goes to device d (it chose at least one of d's experts)
     rank_Td: jax.Array  # its rank among the tokens going to d
@@ -247,14 +253,16 @@ def _exchange_round(
     local_RJ, active_RJ, weights_RJ = (exchange(a) for a in (local_RJ, active_RJ, weights_RJ))
 
     # Compute the received copies on the local experts; one weighted partial output per row.
-    y_RD = combine(local_experts(x_RD, local_RJ, active_RJ, wi_0, wi_1, wo, config), weights_RJ)
+    ep = recv_sizes.shape[0]
+    capacity = layout_capacity(config, ep * x_TD.shape[0], ep)
+    y_RD = local_experts(x_RD, local_RJ, active_RJ, weights_RJ, wi_0, wi_1, wo, config, capacity=capacity)
 
     # Inbound: partial outputs back to their tokens, summed over the devices that computed them.
     if packed is None:
-        return gather_copies(exchange(y_RD), copy_R, valid_R, row_Td).sum(axis=1)
-    slot_starts = jnp.arange(recv_sizes.shape[0], dtype=recv_sizes.dtype) * (C + 1)
+        return sum_copies(exchange(y_RD), copy_R, valid_R, row_Td)
+    slot_starts = jnp.arange(ep, dtype=recv_sizes.dtype) * (C + 1)
     yp_ND = packed_exchange(y_RD, slot_starts, recv_sizes, exchange(in_d), send_sizes, xp_ND.shape[0], axis)
-    return gather_copies(yp_ND, *packed[2:]).sum(axis=1)
+    return sum_copies(yp_ND, *packed[2:])
 
 
 def _slot_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis, ragged):
@@ -269,21 +277,12 @@ def _slot_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_ex
         token_N, valid_N, row_Td, copy_N, start_d = _packed_rows(routes, T * min(K, ep) + 1)
         packed = (gather_rows(x_TD, token_N, valid_N, row_Td), start_d, copy_N, valid_N, row_Td)
     args = (x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis, plan.rows_per_pair)
-    one_round = jax.checkpoint(lambda r: _exchange_round(r, routes, recv_total, packed, *args))
-    y_TD = _exchange_round(0, routes, recv_total, packed, *args)
-    if plan.rounds == 1:  # C = T: one round holds any routing
-        return y_TD
-
-    C, nothing = plan.rows_per_pair, lambda *_: jnp.zeros_like(y_TD)
-    fullest = jax.lax.pmax(routes.sizes_d.max(), axis)  # the same on every device of the group
-
-    def more_rounds():
-        def body(acc_TD, r):
-            return acc_TD + jax.lax.cond(r * C < fullest, one_round, nothing, r), None
-
-        return jax.lax.scan(body, nothing(), jnp.arange(1, plan.rounds))[0]
-
-    return y_TD + jax.lax.cond(fullest > C, more_rounds, nothing)
+    # The fullest pair of the group decides the rounds, the same on every device (C = T: one
+    # round holds any routing, and no predicate is needed).
+    fullest = jax.lax.pmax(routes.sizes_d.max(), axis) if plan.rounds > 1 else 0
+    return in_rounds(
+        lambda r: _exchange_round(r, routes, recv_total, packed, *args), fullest, plan.rows_per_pair, plan.rounds
+    )
 
 
 def _allgather_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis):
@@ -297,8 +296,9 @@ def _own_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_exp
     E_local = wi_0.shape[0]
     local_TK = experts_TK - jax.lax.axis_index(axis) * E_local
     active_TK = (local_TK >= 0) & (local_TK < E_local)
-    y_TKD = local_experts(x_TD, jnp.where(active_TK, local_TK, 0), active_TK, wi_0, wi_1, wo, config)
-    return combine(y_TKD, jnp.where(active_TK, weights_TK, 0))
+    capacity = layout_capacity(config, x_TD.shape[0], jax.sharding.get_abstract_mesh().shape[axis])
+    local_TK = jnp.where(active_TK, local_TK, 0)
+    return local_experts(x_TD, local_TK, active_TK, weights_TK, wi_0, wi_1, wo, config, capacity=capacity)
 
 
 def exchange_token_axes(num_tokens: int, axis: str) -> tuple[str, ...]:

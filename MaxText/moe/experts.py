@@ -28,7 +28,7 @@ from MaxText.config import Config, ConfigError
 from MaxText.layers.common import import_error
 from MaxText.moe.blocked import blocked_swiglu, expert_blocks, level_rows
 from MaxText.moe.capacity import capacity_experts
-from MaxText.moe.dispatch import BlockLayout, block_layout, combine, from_blocks, to_blocks
+from MaxText.moe.dispatch import BlockLayout, block_layout, combine, combine_blocks, in_rounds, to_blocks
 from MaxText.moe.expert_parallel import expert_axis, expert_parallel_experts
 from MaxText.moe.te_exchange import ALIGN_ROWS
 
@@ -39,7 +39,8 @@ ExpertsBackend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, BlockLayo
 
 
 def _blocked(xp_PD, wi_0, wi_1, wo, layout: BlockLayout, config: Config) -> jax.Array:
-    rows = level_rows(config.moe_block_rows, config.moe_min_block_rows)
+    # Levels larger than the layout are left out (a small layout: few tokens or a small capacity).
+    rows = tuple(B for B in level_rows(config.moe_block_rows, config.moe_min_block_rows) if B <= xp_PD.shape[0])
     blocks = expert_blocks(layout.start_E, layout.padded_E, rows, xp_PD.shape[0])
     return blocked_swiglu(rows, xp_PD, wi_0, wi_1, wo, blocks)
 
@@ -72,12 +73,28 @@ BACKENDS: dict[str, ExpertsBackend] = {
 }
 
 
-def swiglu_experts(x_TD, experts_TK, active_TK, wi_0, wi_1, wo, config: Config, backend: str) -> jax.Array:
-    """Each token's K expert outputs [T, K, D], computed in the backend's layout (``blocked`` pads
-    each expert to its smallest block; the others use the sorted rows unpadded). Copies whose
-    ``active_TK`` is false (None: all active) get zero outputs and cost nothing."""
-    layout = block_layout(experts_TK, wi_0.shape[0], row_multiple(backend, config), active_TK)
-    return from_blocks(BACKENDS[backend](to_blocks(x_TD, layout), wi_0, wi_1, wo, layout, config), layout)
+def swiglu_experts(
+    x_TD, experts_TK, active_TK, weights_TK, wi_0, wi_1, wo, config: Config, backend: str, capacity: int | None = None
+) -> jax.Array:
+    """Each token's expert outputs summed with its weights, [T, D], computed in the backend's
+    layout (``blocked`` pads each expert to its smallest block; the others use the sorted rows
+    unpadded). Copies whose ``active_TK`` is false (None: all active) contribute nothing and cost
+    nothing.
+
+    ``capacity`` (None: every copy) sizes the layout for that many copies: a device that receives
+    more than its share under expert parallelism runs further passes over the rest (``in_rounds``),
+    so memory follows the share, not the worst case, and nothing is dropped."""
+    M, rows = experts_TK.size, row_multiple(backend, config)
+
+    def one_pass(q):
+        layout = block_layout(experts_TK, wi_0.shape[0], rows, active_TK, capacity, q * (capacity or 0))
+        yp_PD = BACKENDS[backend](to_blocks(x_TD, layout), wi_0, wi_1, wo, layout, config)
+        return combine_blocks(yp_PD, weights_TK, layout)
+
+    if capacity is None or capacity >= M:
+        return one_pass(0)
+    copies = M if active_TK is None else active_TK.sum()
+    return in_rounds(one_pass, copies, capacity, -(-M // capacity))
 
 
 def row_multiple(backend: str, config: Config) -> int:
@@ -170,7 +187,7 @@ def routed_experts(
     local_experts = partial(swiglu_experts, backend=backend)
     axis = expert_axis()
     if axis is None:
-        return combine(local_experts(x_TD, experts_TK, None, wi_0, wi_1, wo, config), weights_TK)
+        return local_experts(x_TD, experts_TK, None, weights_TK, wi_0, wi_1, wo, config)
     exchange = resolve_exchange(config.moe_ep_comm)
     if exchange == "te":
         from MaxText.moe.te_exchange import te_experts

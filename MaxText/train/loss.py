@@ -11,16 +11,22 @@ Each cross-entropy is a sum over tokens divided by the token count of the whole 
 losses and gradients then add up to exactly the whole batch's, however their padding differs
 (averaging per-micro-batch means would weigh a token of a half-empty micro-batch twice).
 
-Shape legend: B batch, S sequence, V vocabulary, N MTP depth.
+The output head is applied here, not in the model (``HeadInputs``), over ``output_head_chunks``
+slices of the sequence: at the 671B a [4096, 129,280] float32 logits array is 2.1 GB per sequence
+and head, held several times over (logits, log-softmax, gradient) when taken whole.
+
+Shape legend: B batch, S sequence, D model dim, V vocabulary, N MTP depth.
 """
 
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from MaxText.config import Config
-from MaxText.models.deepseek import DeepSeekV3, shift_left
+from MaxText.layers.common import constrain
+from MaxText.models.deepseek import DeepSeekV3, output_head, output_logits, shift_left
 from MaxText.moe.block import BIAS, LOAD, LOSS
 from MaxText.moe.capacity import capacity
 
@@ -39,6 +45,28 @@ def token_nll_sum(logits_BSV: jax.Array, targets_BS: jax.Array, weights_BS: jax.
     logprobs_BSV = jax.nn.log_softmax(logits_BSV.astype(jnp.promote_types(logits_BSV.dtype, jnp.float32)), axis=-1)
     nll_BS = -jnp.take_along_axis(logprobs_BSV, targets_BS[..., None], axis=-1)[..., 0]
     return (nll_BS * weights_BS).sum()
+
+
+def head_nll_sum(
+    normed_BSD: jax.Array, head_DV: jax.Array, targets_BS: jax.Array, weights_BS: jax.Array, chunks: int
+) -> jax.Array:
+    """``token_nll_sum`` of the output head's logits, computed over ``chunks`` equal slices of the
+    sequence one after another: each slice's [B, S / chunks, V] float32 logits live only while
+    its loss is taken, and are recomputed in the backward pass."""
+    if chunks == 1:
+        return token_nll_sum(output_logits(normed_BSD, head_DV), targets_BS, weights_BS)
+    B, S = targets_BS.shape
+    head_DV = constrain(head_DV, (None, "vocab"))  # gathered once for all slices, not once per slice
+
+    def slices(a):  # [B, S, ...] -> [chunks, B, S / chunks, ...]
+        return a.reshape(B, chunks, S // chunks, *a.shape[2:]).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def slice_nll(args):
+        normed, targets, weights = args
+        return token_nll_sum(output_logits(normed, head_DV), targets, weights)
+
+    return jax.lax.map(slice_nll, (slices(normed_BSD), slices(targets_BS), slices(weights_BS))).sum()
 
 
 def cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array, weights_BS: jax.Array) -> jax.Array:
@@ -82,19 +110,24 @@ def compute_loss(
     token ``counts`` are given (default: ``batch`` is the whole batch). The parts' losses add up
     to the whole batch's loss."""
     counts = loss_token_counts(batch, config) if counts is None else counts
-    (logits_BSV, mtp_logits_NBSV), stats = model.apply(
+    (normed_BSD, mtp_normed_NBSD), stats = model.apply(
         {"params": params, BIAS: moe_bias},
         batch["inputs"],
         batch["inputs_position"],
         batch["inputs_segmentation"],
+        logits=False,
         mutable=[LOAD, LOSS],
     )
     targets_BS, segments_BS = batch["targets"], batch["targets_segmentation"]
-    lm_loss = token_nll_sum(logits_BSV, targets_BS, (segments_BS != 0).astype(jnp.float32)) / jnp.maximum(counts.lm, 1)
+    nll_sum = partial(head_nll_sum, head_DV=output_head(params, config), chunks=config.output_head_chunks)
+    lm_loss = nll_sum(normed_BSD, targets_BS=targets_BS, weights_BS=(segments_BS != 0).astype(jnp.float32))
+    lm_loss /= jnp.maximum(counts.lm, 1)
 
     mtp_loss = jnp.zeros((), lm_loss.dtype)
     for k in range(1, config.mtp_num_layers + 1):
-        nll = token_nll_sum(mtp_logits_NBSV[k - 1], shift_left(targets_BS, k), mtp_weights(segments_BS, k))
+        nll = nll_sum(
+            mtp_normed_NBSD[k - 1], targets_BS=shift_left(targets_BS, k), weights_BS=mtp_weights(segments_BS, k)
+        )
         mtp_loss += nll / jnp.maximum(counts.mtp[k - 1], 1)
     mtp_loss /= max(config.mtp_num_layers, 1)
 
