@@ -89,7 +89,11 @@ class Checkpoints:
         }
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self.state_handler, self.data_handler = ocp.StandardCheckpointHandler(), ocp.JsonCheckpointHandler()
-        self.in_background = config.async_checkpointing and config.checkpoint_device_copy
+        # Orbax's save synchronises the processes with a device collective: from a second thread of
+        # a multi-process run it would interleave with the training step's collectives (gloo then
+        # fails with mismatched sizes, NCCL may hang). Such runs save from the training thread, and
+        # Orbax still writes in the background.
+        self.in_background = config.async_checkpointing and config.checkpoint_device_copy and jax.process_count() == 1
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint") if self.in_background else None
         self.pending: Future | None = None
 

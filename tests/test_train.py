@@ -136,7 +136,9 @@ def test_gradient_accumulation_matches_one_big_batch(reference, tmp_path):
 
 
 def test_two_processes_match_single_device(reference, tmp_path):
-    """Two local processes (gloo collectives), 4 devices each, form one 8-device job."""
+    """Two local processes (gloo collectives), 4 devices each, form one 8-device job, saving a
+    checkpoint after every step (saves once ran in a second thread, whose collectives crossed the
+    next step's and crashed gloo)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -147,6 +149,7 @@ def test_two_processes_match_single_device(reference, tmp_path):
         "log_period=1",
         "per_device_batch_size=1",
         "ici_expert_parallelism=2",
+        "checkpoint_period=1",
     )
     processes = [
         launch(
@@ -164,6 +167,8 @@ def test_two_processes_match_single_device(reference, tmp_path):
     assert losses(records) == pytest.approx(losses(reference[1]), rel=1e-4)
     saved = yaml.safe_load((tmp_path / "multi" / "config.yml").read_text())
     assert saved["runtime"]["num_processes"] == 2 and saved["runtime"]["num_devices"] == 8
+    saved_steps = sorted(int(p.name) for p in (tmp_path / "multi" / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved_steps == list(range(2, COMPARE_STEPS + 1))  # one per step, the newest 3 kept
 
 
 def test_mesh_that_does_not_fit_the_devices_exits_2(tmp_path):

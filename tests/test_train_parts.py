@@ -121,7 +121,7 @@ def test_padding_is_left_out_of_expert_loads_and_balance_loss():
 
     config = make_config("dtype=float32", "mtp_num_layers=0")
     model = DeepSeekV3(config)
-    variables = model.init(jax.random.key(0), *dummy_inputs(config))
+    variables = jax.jit(model.init)(jax.random.key(0), *dummy_inputs(config))
     variables = {"params": variables["params"], BIAS: variables[BIAS]}
     apply = jax.jit(
         lambda b: model.apply(
@@ -210,10 +210,11 @@ def test_output_head_in_slices_equals_the_whole_head():
     from MaxText.train.loss import compute_loss
     from MaxText.train.state import dummy_inputs
 
-    whole, sliced = (make_config("dtype=float32", f"output_head_chunks={n}") for n in (1, 4))
-    variables = nn.unbox(DeepSeekV3(whole).init(jax.random.key(0), *dummy_inputs(whole)))
+    small = ("dtype=float32", "max_target_length=16", "base_num_decoder_layers=2", "first_num_dense_layers=1")
+    whole, sliced = (make_config(*small, f"output_head_chunks={n}") for n in (1, 4))
+    variables = nn.unbox(jax.jit(DeepSeekV3(whole).init)(jax.random.key(0), *dummy_inputs(whole)))
     params, bias = variables["params"], variables[BIAS]
-    batch = _padded_batch(whole, [whole.max_target_length, 37], seed=2)
+    batch = _padded_batch(whole, [whole.max_target_length, 11], seed=2)
 
     def loss_and_grads(config):
         fn = jax.value_and_grad(lambda p: compute_loss(DeepSeekV3(config), config, p, bias, batch).loss)
