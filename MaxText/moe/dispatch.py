@@ -37,6 +37,25 @@ def num_padded_rows(num_rows: int, num_experts: int, row_multiple: int) -> int:
     return (used // row_multiple + 1) * row_multiple
 
 
+class SortedCopies(NamedTuple):
+    """The copies in expert order, computed once however many layout passes read them."""
+
+    flat_M: jax.Array  # each copy's expert (num_experts for inactive copies, which sort last)
+    order_M: jax.Array  # sorted position -> (token, slot) copy
+    rank_M: jax.Array  # (token, slot) copy -> its sorted position
+    sizes_E: jax.Array  # active copies per expert
+
+
+def sort_copies(experts_TK: jax.Array, num_experts: int, active_TK: jax.Array | None = None) -> SortedCopies:
+    M = experts_TK.size
+    active_M = jnp.ones((M,), bool) if active_TK is None else active_TK.reshape(M)
+    flat_M = jnp.where(active_M, experts_TK.reshape(M), num_experts)
+    order_M = jnp.argsort(flat_M, stable=True)
+    rank_M = jnp.zeros((M,), jnp.int32).at[order_M].set(jnp.arange(M, dtype=jnp.int32))
+    sizes_E = jnp.zeros((num_experts + 1,), jnp.int32).at[flat_M].add(1)[:num_experts]
+    return SortedCopies(flat_M, order_M, rank_M, sizes_E)
+
+
 def block_layout(
     experts_TK: jax.Array,
     num_experts: int,
@@ -44,6 +63,7 @@ def block_layout(
     active_TK: jax.Array | None = None,
     capacity: int | None = None,
     skip: jax.Array | int = 0,
+    copies: SortedCopies | None = None,
 ) -> BlockLayout:
     """The padded layout of the copies whose ``active_TK`` is true (all by default). Inactive
     copies (for example, routed to another device's experts) get no row: they read an
@@ -51,15 +71,13 @@ def block_layout(
 
     With ``capacity``, the layout has rows for that many copies only: those at positions
     ``[skip, skip + capacity)`` of the expert-sorted order; the others are left out like
-    inactive ones (a later pass takes them with a larger ``skip``)."""
+    inactive ones (a later pass takes them with a larger ``skip``). Passes over the same copies
+    share one ``sort_copies`` (``copies``)."""
     T, K = experts_TK.shape
     M, m = T * K, row_multiple
     window = M if capacity is None else min(M, capacity)
     P = num_padded_rows(window, num_experts, m)
-    active_M = jnp.ones((M,), bool) if active_TK is None else active_TK.reshape(M)
-    flat_M = jnp.where(active_M, experts_TK.reshape(M), num_experts)  # inactive copies sort last
-    order_M = jnp.argsort(flat_M, stable=True)  # sorted position -> (token, slot) copy
-    all_sizes_E = jnp.zeros((num_experts + 1,), jnp.int32).at[flat_M].add(1)[:num_experts]
+    flat_M, order_M, rank_M, all_sizes_E = copies or sort_copies(experts_TK, num_experts, active_TK)
     all_start_E = jnp.cumsum(all_sizes_E) - all_sizes_E  # first sorted position of each expert
     # The window [skip, skip + window) of sorted positions, expert by expert.
     first_E = jnp.clip(skip - all_start_E, 0, all_sizes_E)
@@ -77,8 +95,7 @@ def block_layout(
     copy_P = jnp.where(valid_P, order_M[sorted_P], 0)
 
     # The padded row of each copy here: its expert's first padded row + its rank within the expert.
-    rank_M = jnp.zeros((M,), jnp.int32).at[order_M].set(jnp.arange(M, dtype=jnp.int32))
-    here_M = active_M & (rank_M >= skip) & (rank_M < skip + window)
+    here_M = (flat_M < num_experts) & (rank_M >= skip) & (rank_M < skip + window)
     expert_M = jnp.minimum(flat_M, num_experts - 1)
     row_M = jnp.where(here_M, start_E[expert_M] + rank_M - sorted_start_E[expert_M], P - 1)
     return BlockLayout(copy_P // K, valid_P, row_M.reshape(T, K), copy_P, sizes_E, start_E, padded_E)

@@ -28,7 +28,7 @@ from MaxText.config import Config, ConfigError
 from MaxText.layers.common import import_error
 from MaxText.moe.blocked import blocked_swiglu, expert_blocks, level_rows
 from MaxText.moe.capacity import capacity_experts
-from MaxText.moe.dispatch import BlockLayout, block_layout, combine, combine_blocks, in_rounds, to_blocks
+from MaxText.moe.dispatch import BlockLayout, block_layout, combine, combine_blocks, in_rounds, sort_copies, to_blocks
 from MaxText.moe.expert_parallel import expert_axis, expert_parallel_experts
 from MaxText.moe.te_exchange import ALIGN_ROWS
 
@@ -84,17 +84,17 @@ def swiglu_experts(
     ``capacity`` (None: every copy) sizes the layout for that many copies: a device that receives
     more than its share under expert parallelism runs further passes over the rest (``in_rounds``),
     so memory follows the share, not the worst case, and nothing is dropped."""
-    M, rows = experts_TK.size, row_multiple(backend, config)
+    M, rows, E = experts_TK.size, row_multiple(backend, config), wi_0.shape[0]
+    copies = sort_copies(experts_TK, E, active_TK)  # once for every pass
 
     def one_pass(q):
-        layout = block_layout(experts_TK, wi_0.shape[0], rows, active_TK, capacity, q * (capacity or 0))
+        layout = block_layout(experts_TK, E, rows, active_TK, capacity, q * (capacity or 0), copies)
         yp_PD = BACKENDS[backend](to_blocks(x_TD, layout), wi_0, wi_1, wo, layout, config)
         return combine_blocks(yp_PD, weights_TK, layout)
 
     if capacity is None or capacity >= M:
         return one_pass(0)
-    copies = M if active_TK is None else active_TK.sum()
-    return in_rounds(one_pass, copies, capacity, -(-M // capacity))
+    return in_rounds(one_pass, copies.sizes_E.sum(), capacity, -(-M // capacity))
 
 
 def row_multiple(backend: str, config: Config) -> int:
