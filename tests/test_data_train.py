@@ -7,13 +7,14 @@ gives different batches is checked on the pipeline alone, in test_data_pipeline.
 """
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import cpu_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,7 +26,7 @@ def run(command: list[str], env: dict) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> list[list[dict]]:
+def runs(tmp_path_factory, jax_cache) -> list[list[dict]]:
     work = tmp_path_factory.mktemp("text")
     corpus = work / "corpus"
     for path in [
@@ -37,14 +38,7 @@ def runs(tmp_path_factory) -> list[list[dict]]:
         target = corpus / path.relative_to(REPO)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(path, target)
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-        "JAX_COMPILATION_CACHE_DIR": str(work / "jax-cache"),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    }
+    env = cpu_env(1, jax_cache)
     prepared = work / "prepared"
     tool = [sys.executable, "tools/prepare_dataset.py", "--input", str(corpus), "--output", str(prepared)]
     out = run([*tool, "--name", "docs", "--val-fraction", "0.1"], env)

@@ -8,7 +8,6 @@ dependencies only.
 """
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from MaxText.hf.convert import convert  # noqa: E402
 from MaxText.hf.export import export  # noqa: E402
 from MaxText.hf.safetensors_io import SafetensorsFolder, write_safetensors  # noqa: E402
 from MaxText.hf.weights import abstract_variables, hf_table, leaves, to_hf  # noqa: E402
+from tests.conftest import cpu_env  # noqa: E402
 from tools.forward import forward_logits  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -359,7 +359,7 @@ def test_bad_checkpoints_exit_2_naming_the_problem(hf_model, tmp_path, capsys):
     assert not out.exists()  # nothing is written before everything checks out
 
 
-def test_training_continues_from_a_converted_checkpoint_and_exports_back(hf_model, converted, tmp_path):
+def test_training_continues_from_a_converted_checkpoint_and_exports_back(hf_model, converted, tmp_path, jax_cache):
     """Convert -> train 3 steps from it -> export the trained step -> transformers matches our logits."""
     command = [
         sys.executable,
@@ -376,7 +376,7 @@ def test_training_continues_from_a_converted_checkpoint_and_exports_back(hf_mode
         "enable_tensorboard=false",
         "eval_interval=0",
     ]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = cpu_env(1, jax_cache)
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert f"parameters loaded from {converted}" in result.stdout

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cluster.scaled_down import STEPS, TINY_ON_TWO_CPUS, jax_cache_env
+from cluster.scaled_down import STEPS, TINY_ON_TWO_CPUS
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFEST = REPO / "recipes" / "k8s" / "deepseek3-671b-gb300-nvl72.yaml"
@@ -74,7 +74,7 @@ def render_pod_env(container: dict, racks: int, pods_per_rack: int, rack: int, p
 
 
 @pytest.fixture(scope="module")
-def pods_run(tmp_path_factory) -> tuple[Path, list[str]]:
+def pods_run(tmp_path_factory, jax_cache) -> tuple[Path, list[str]]:
     """Every pod of the scaled-down JobSet, started with its rendered environment; (run dir, logs)."""
     _, _, _, container = manifest_parts()
     output = tmp_path_factory.mktemp("k8s")
@@ -85,7 +85,7 @@ def pods_run(tmp_path_factory) -> tuple[Path, list[str]]:
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
         "HOME": os.environ.get("HOME", "/root"),
         "MAXTEXT_ARGS": " ".join((*TINY_ON_TWO_CPUS, f"base_output_directory={output}")),
-        **jax_cache_env(tmp_path_factory),  # a speed-up only
+        "JAX_COMPILATION_CACHE_DIR": str(jax_cache),  # the suite's shared cache: a speed-up only
     }
     processes = [
         subprocess.Popen(

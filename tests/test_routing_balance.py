@@ -6,7 +6,6 @@ experts by step 10 and the load ratio stayed at 3.2-3.7 through steps 40-60.
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 
 from MaxText.config import load_config
 from MaxText.train.optimizer import make_optimizer
+from tests.conftest import cpu_env
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_MEAN_RATIO = 1.7  # measured 1.58 (mean of steps 40-60; 4.0 = every token on the same experts)
@@ -25,9 +25,9 @@ MAX_FINAL_LOSS = 2.90  # measured 2.879 at step 60 (2.882 before)
 
 
 @pytest.fixture(scope="module")
-def default_run(tmp_path_factory) -> list[dict]:
+def default_run(tmp_path_factory, jax_cache) -> list[dict]:
     output = tmp_path_factory.mktemp("balance")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = cpu_env(1, jax_cache)
     command = [
         sys.executable,
         "-m",

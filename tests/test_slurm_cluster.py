@@ -1,21 +1,21 @@
 """The Slurm recipes run for real: a one-node Slurm cluster (tests/cluster/local_slurm.py) runs the
 shipped sbatch files on CPU, two tasks per job, each task one JAX process (gloo collectives).
 
-1. ``smoke.sbatch`` as shipped with ``--ntasks=2``: both tasks join one JAX job
-   (``num_processes: 2`` in the run's config.yml) and the run reaches its last step.
-2. The GB200 671B recipe file itself, scaled down from the command line only: sbatch options
+1. The GB200 671B recipe file itself, scaled down from the command line only: sbatch options
    override its #SBATCH lines (64 nodes, 4 tasks per node, a GPU per task, 32 CPUs per task) and
    ``MAXTEXT_ARGS`` overrides its model, data and mesh, so its srun line, environment and argument
-   array run as written.
-3. Preemption as the cluster does it (``scancel --signal=TERM``, what ``--signal=TERM@600`` sends):
-   the job exits 0 having saved its step, and the same job submitted again continues with exactly
-   the losses of run 1.
+   array run as written. It runs smoke.sbatch's program for smoke.sbatch's steps
+   (tests/cluster/scaled_down.py), so its losses are those of an uninterrupted smoke run.
+2. Preemption as the cluster does it (``scancel --signal=TERM``, what ``--signal=TERM@600`` sends)
+   on ``smoke.sbatch``: the job exits 0 having saved its step, and the same job submitted again,
+   smoke.sbatch as shipped with ``--ntasks=2`` but for its run name, continues with exactly the
+   uninterrupted losses: both tasks join one JAX job (``num_processes: 2`` in the run's
+   config.yml) and the run reaches its last step.
 
 The jobs run one after another (the node has the machine's CPUs, a job takes two). The processes
 see one CPU device each; the GPU-only settings the 671B recipe exports (XLA GPU flags, NCCL) are
-inert on CPU. All four jobs compile one program, so a shared compilation cache serves all but the
-first (tests/cluster/scaled_down.py); on an otherwise idle 2-core machine the module took 155 s:
-the first job 55 s, each later one 30-40 s.
+inert on CPU. All three jobs compile one program, so the suite's shared compilation cache serves
+all but the first.
 
 smoke.sbatch checkpoints at its last step and when signalled, not periodically. Periodic saves of
 a two-process run are exercised in tests/test_train.py (they once crashed gloo, or hung, because
@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import yaml
 from cluster.local_slurm import LocalSlurm, install_reason_to_skip
-from cluster.scaled_down import SMOKE_STEPS, STEPS, TINY_ON_TWO_CPUS, image_xla_flags, jax_cache_env
+from cluster.scaled_down import SMOKE_STEPS, TINY_ON_TWO_CPUS, image_xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM = REPO / "recipes" / "slurm"
@@ -54,12 +54,12 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def submit_env(tmp_path_factory) -> dict[str, str]:
+def submit_env(jax_cache) -> dict[str, str]:
     """The submitting shell's environment (sbatch passes it on to the tasks): this interpreter as
     PYTHON, the GPU image's XLA_FLAGS (so one CPU device per process: the test session's 8 simulated
     devices are not passed on), the session's shared compilation cache."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": image_xla_flags(), "PYTHON": sys.executable}
-    return {**env, **jax_cache_env(tmp_path_factory)}
+    return {**env, "JAX_COMPILATION_CACHE_DIR": str(jax_cache)}
 
 
 def submit(cluster: LocalSlurm, env: dict, script: Path, output_dir: Path, *options: str, args=()) -> str:
@@ -93,24 +93,6 @@ def runtime(run_dir: Path) -> tuple[dict, dict]:
     return config, config["runtime"]
 
 
-@pytest.fixture(scope="module")
-def smoke_run(cluster, submit_env, tmp_path_factory) -> Path:
-    """smoke.sbatch as shipped, two tasks; its run folder."""
-    output = tmp_path_factory.mktemp("smoke")
-    job_id = submit(cluster, submit_env, SLURM / "smoke.sbatch", output, "--ntasks=2")
-    finish(cluster, job_id, output)
-    return output / f"deepseek3-tiny-{job_id}"  # the default run name under Slurm
-
-
-def test_smoke_tasks_form_one_jax_job(smoke_run):
-    assert re.search(rf"^  steps={SMOKE_STEPS}$", (SLURM / "smoke.sbatch").read_text(), re.M)
-    config, topology = runtime(smoke_run)
-    assert (topology["num_processes"], topology["num_devices"], topology["platform"]) == (2, 2, "cpu")
-    assert config["model_name"] == "deepseek3-tiny"
-    assert sorted(losses(smoke_run)) == list(range(1, SMOKE_STEPS + 1))
-    assert (smoke_run / "checkpoints" / str(SMOKE_STEPS)).is_dir()
-
-
 # ---------------------------------------------------------------- the 671B recipe, scaled down
 
 # sbatch options win over the file's #SBATCH lines. The time limit must exceed the recipe's
@@ -118,8 +100,11 @@ def test_smoke_tasks_form_one_jax_job(smoke_run):
 TWO_CPU_TASKS = ("--nodes=1", "--ntasks-per-node=2", "--gpus-per-task=0", "--cpus-per-task=1", "--time=01:00:00")
 
 
-def test_gb200_recipe_file_runs_scaled_down(cluster, submit_env, tmp_path):
-    """The 671B recipe, its own srun line, environment and TRAIN_ARGS, on two CPU tasks."""
+@pytest.fixture(scope="module")
+def recipe_run(cluster, submit_env, tmp_path_factory) -> tuple[Path, str]:
+    """The 671B recipe, its own srun line, environment and TRAIN_ARGS, on two CPU tasks, for
+    smoke.sbatch's steps: (run folder, job output)."""
+    tmp_path = tmp_path_factory.mktemp("gb200")
     recipe = SLURM / "deepseek3-671b-gb200-nvl72.sbatch"
     text = recipe.read_text()
     options = TWO_CPU_TASKS
@@ -133,13 +118,18 @@ def test_gb200_recipe_file_runs_scaled_down(cluster, submit_env, tmp_path):
         recipe = tmp_path / recipe.name
         recipe.write_text("".join(kept))
     output = tmp_path / "outputs"
-    log = finish(cluster, submit(cluster, submit_env, recipe, output, *options, args=TINY_ON_TWO_CPUS), output)
-
+    args = (*TINY_ON_TWO_CPUS, f"steps={SMOKE_STEPS}")
+    log = finish(cluster, submit(cluster, submit_env, recipe, output, *options, args=args), output)
     run_name = re.search(r"^\s*run_name=(\S+)$", text, re.M).group(1)
-    config, topology = runtime(output / run_name)
+    return output / run_name, log
+
+
+def test_gb200_recipe_file_runs_scaled_down(recipe_run):
+    run_dir, log = recipe_run
+    config, topology = runtime(run_dir)
     assert (topology["num_processes"], topology["num_devices"]) == (2, 2), log[-2000:]
     assert (config["model_name"], config["hardware"], config["dtype"]) == ("deepseek3-tiny", "cpu", "float32")
-    assert [r["step"] for r in metrics(output / run_name)] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, SMOKE_STEPS + 1))
 
 
 # ---------------------------------------------------------------- preemption and resume
@@ -155,12 +145,14 @@ def wait_for_step(cluster: LocalSlurm, job_id: str, run_dir: Path, step: int, ti
     raise AssertionError(f"step {step} not reached in {timeout} s")
 
 
-def test_signalled_job_saves_and_resubmitted_job_continues_exactly(cluster, submit_env, smoke_run, tmp_path):
+def test_signalled_smoke_job_saves_and_resubmitted_job_continues_exactly(cluster, submit_env, recipe_run, tmp_path):
     """smoke.sbatch stopped by the signal that precedes a time limit, then submitted again. The
     first job asks for far more steps on the same learning-rate schedule, so that the signal lands
     mid-run however fast the steps are, and lets the processes agree on a signal after every step
     (the default, every 10 steps, would let smoke.sbatch's 10 steps finish); the second is
-    smoke.sbatch's own run, which must log exactly run 1's losses."""
+    smoke.sbatch's own run, which must form one JAX job of both tasks and log exactly the losses
+    of the uninterrupted run (the scaled-down recipe's)."""
+    assert re.search(rf"^  steps={SMOKE_STEPS}$", (SLURM / "smoke.sbatch").read_text(), re.M)
     output = tmp_path / "outputs"
     run_dir = output / "preempted"  # the resubmitted job (a new job id) must find the same run
     first = (
@@ -184,4 +176,9 @@ def test_signalled_job_saves_and_resubmitted_job_continues_exactly(cluster, subm
     job_id = submit(cluster, submit_env, SLURM / "smoke.sbatch", output, "--ntasks=2", args=("run_name=preempted",))
     log = finish(cluster, job_id, output)
     assert f"resuming from {run_dir / 'checkpoints' / str(step)} (step {step})" in log, log[-3000:]
-    assert losses(run_dir) == losses(smoke_run)
+    config, topology = runtime(run_dir)
+    assert (topology["num_processes"], topology["num_devices"], topology["platform"]) == (2, 2, "cpu")
+    assert config["model_name"] == "deepseek3-tiny"
+    assert sorted(losses(run_dir)) == list(range(1, SMOKE_STEPS + 1))
+    assert (run_dir / "checkpoints" / str(SMOKE_STEPS)).is_dir()
+    assert losses(run_dir) == losses(recipe_run[0])

@@ -166,6 +166,14 @@ def combine_blocks(yp_PD: jax.Array, weights_TK: jax.Array, layout: BlockLayout)
     return sum_copies(yp_PD * weight_P[:, None].astype(yp_PD.dtype), layout.copy_P, layout.valid_P, layout.row_TK)
 
 
+# One loop over the further rounds, or (True) each round its own ops. XLA:CPU's in-process
+# collectives can race when devices fall out of step in a loop of collectives (a device enters
+# the next iteration's rendezvous before another has left the last one, and the process aborts),
+# so the CPU tests of the exchange unroll; unrolled, the 4-layer 671B's temp rose from 52.4 to
+# 77.7 GB, so the loop is what runs.
+UNROLL_ROUNDS = False
+
+
 def in_rounds(round_fn: Callable[[jax.Array | int], jax.Array], load: jax.Array, per_round: int, rounds: int):
     """``round_fn(0)`` plus the further rounds ``1 .. rounds - 1`` that ``load`` items, taken
     ``per_round`` at a time, need. Buffers are sized for one round; the extra rounds run only
@@ -187,7 +195,7 @@ def in_rounds(round_fn: Callable[[jax.Array | int], jax.Array], load: jax.Array,
         def body(acc, r):
             return acc + round_if_needed(r), None
 
-        return jax.lax.scan(body, nothing(), jnp.arange(1, rounds))[0]
+        return jax.lax.scan(body, nothing(), jnp.arange(1, rounds), unroll=UNROLL_ROUNDS)[0]
 
     return y + jax.lax.cond(load > per_round, more_rounds, nothing)
 

@@ -6,8 +6,8 @@ result is the very program ``recipes/slurm/smoke.sbatch`` compiles on two tasks 
 the same batch, sequence length, dtype and learning-rate schedule; only ``steps`` is shorter).
 XLA_FLAGS are part of JAX's compilation-cache key, and the 671B recipes set the GPU image's flags,
 so the smoke runs get those flags too (``image_xla_flags``: what tasks inside the image see; inert
-on CPU). With a shared JAX compilation cache (``jax_cache_env``) the two-process runs of the test
-suite then compile the training step once: a cold run of two tasks took 37-49 CPU-seconds per
+on CPU). With the suite's shared JAX compilation cache (the ``jax_cache`` fixture) its two-process runs
+then compile the training step once: a cold run of two tasks took 37-49 CPU-seconds per
 process here, a cached single-process run about 8.
 """
 
@@ -38,16 +38,6 @@ TINY_ON_TWO_CPUS = (
     "dcn_expert_parallelism=1",
     "dcn_tensor_parallelism=1",
 )
-
-
-def jax_cache_env(tmp_path_factory) -> dict[str, str]:
-    """A persistent JAX compilation cache shared by the test session's workers (pytest-xdist gives
-    each worker its own folder under one session folder). Only a speed-up: the cache is keyed by
-    the compiled program, so a miss compiles again."""
-    base = tmp_path_factory.getbasetemp()
-    folder = (base.parent if base.name.startswith("popen-gw") else base) / "jax-cache"
-    folder.mkdir(exist_ok=True)
-    return {"JAX_COMPILATION_CACHE_DIR": str(folder)}
 
 
 def image_xla_flags() -> str:
