@@ -23,7 +23,6 @@ a background thread started Orbax's save, whose collectives crossed the next ste
 """
 
 import json
-import os
 import re
 import sys
 import time
@@ -33,6 +32,8 @@ import pytest
 import yaml
 from cluster.local_slurm import LocalSlurm, install_reason_to_skip
 from cluster.scaled_down import SMOKE_STEPS, TINY_ON_TWO_CPUS, image_xla_flags
+
+from tests.conftest import cpu_env
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM = REPO / "recipes" / "slurm"
@@ -58,8 +59,7 @@ def submit_env(jax_cache) -> dict[str, str]:
     """The submitting shell's environment (sbatch passes it on to the tasks): this interpreter as
     PYTHON, the GPU image's XLA_FLAGS (so one CPU device per process: the test session's 8 simulated
     devices are not passed on), the session's shared compilation cache."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": image_xla_flags(), "PYTHON": sys.executable}
-    return {**env, "JAX_COMPILATION_CACHE_DIR": str(jax_cache)}
+    return cpu_env(1, jax_cache, XLA_FLAGS=image_xla_flags(), PYTHON=sys.executable)
 
 
 def submit(cluster: LocalSlurm, env: dict, script: Path, output_dir: Path, *options: str, args=()) -> str:
