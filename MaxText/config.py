@@ -107,7 +107,8 @@ class Config(BaseModel):
     dtype: DType
     weight_dtype: ParamDType
     remat_policy: Literal["none", "minimal", "full"]
-    output_head_chunks: Count
+    vocab_chunks: Count
+    vocab_parallel_axes: Literal["auto"] | list[str]
     # model shape
     vocab_size: Count
     base_emb_dim: Count
@@ -298,9 +299,9 @@ def check_rules(c: Config) -> None:
         "a -1 (fill) in both ici_* and dcn_* is ambiguous; set one of them explicitly",
     )
     _require(
-        c.max_target_length % c.output_head_chunks == 0,
-        "output_head_chunks",
-        f"{c.output_head_chunks} slices do not divide max_target_length ({c.max_target_length})",
+        c.max_target_length % c.vocab_chunks == 0,
+        "vocab_chunks",
+        f"{c.vocab_chunks} slices do not divide max_target_length ({c.max_target_length})",
     )
     expert_ways = c.ici_expert_parallelism * c.dcn_expert_parallelism
     if expert_ways > 0:  # -1 (fill) is checked when the mesh is built
@@ -309,6 +310,8 @@ def check_rules(c: Config) -> None:
             "ici_expert_parallelism",
             f"num_experts ({c.num_experts}) is not divisible by expert parallelism ({expert_ways})",
         )
+    unknown = [a for a in c.vocab_parallel_axes if a not in MESH_AXES] if c.vocab_parallel_axes != "auto" else []
+    _require(not unknown, "vocab_parallel_axes", f"unknown mesh axes {unknown}; known: {list(MESH_AXES)}")
     for name, axes in c.logical_axis_rules:
         unknown = [a for a in axes if a not in MESH_AXES]
         _require(

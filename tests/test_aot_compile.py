@@ -74,9 +74,8 @@ ARCH_671B = [
     "dtype=bfloat16",
     "per_device_batch_size=1",
     "max_target_length=4096",
-    "ici_expert_parallelism=16",  # expert 16 x fsdp 4, fsdp across domains as the recipes lay it out
-    "ici_fsdp_parallelism=1",
-    "dcn_fsdp_parallelism=4",
+    "ici_expert_parallelism=16",  # expert 16 x fsdp 4: 64 GPUs, one NVL72 rack
+    "ici_fsdp_parallelism=4",
     "moe_ep_comm=all_to_all",
 ]
 DEVICES = 64
@@ -114,10 +113,11 @@ def test_671b_arguments_are_the_state_over_the_devices(report_671b):
 def test_671b_compiles_without_involuntary_rematerialisation_and_bounded_temp(report_671b):
     """A step that loses the batch sharding replicates [B, ...] activations on all 64 devices (the
     SPMD partitioner then warns of an involuntary full rematerialisation, and temp grows 64-fold,
-    to terabytes); the sharded step needs about 52 GB of XLA:CPU temp here (94 GB while each
-    device's expert layout held every copy it could receive)."""
+    to terabytes); the sharded step needs 38.8 GB of XLA:CPU temp here (94 GB while each device's
+    expert layout held every copy it could receive, 52 GB while the embedding and the head were
+    gathered whole and their gradients all-reduced at full size)."""
     assert report_671b["warnings"] == []
-    assert report_671b["memory"]["temp"] < 60 * GB, report_671b["memory"]
+    assert report_671b["memory"]["temp"] < 40 * GB, report_671b["memory"]
     # Routing is per token: no collective may feed the router's top-k (XLA gathered its global
     # operand on the recipes' meshes until it ran per token shard).
     assert not [op for op in report_671b["collectives_by_op"] if op.endswith(" of top_k")]
@@ -146,8 +146,8 @@ def test_671b_all_to_all_bytes_are_the_dispatch_volume(report_671b):
 
 def test_a_data_axis_keeps_the_embedding_lookup_sharded(capfd):
     """With data 2 x fsdp 2 x expert 2, a lookup into the table's sharded embed dim made XLA
-    replicate the [B, S, D] result ("involuntary full rematerialization"); the lookup reads the
-    gathered table instead."""
+    replicate the [B, S, D] result ("involuntary full rematerialization"); the lookup is split over
+    the vocabulary instead, the tokens gathered to the rows."""
     from MaxText.train.aot import compile_train_step
 
     config = make_config(

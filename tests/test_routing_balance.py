@@ -20,8 +20,8 @@ from MaxText.train.optimizer import make_optimizer
 from tests.conftest import cpu_env
 
 REPO = Path(__file__).resolve().parents[1]
-MAX_MEAN_RATIO = 1.7  # measured 1.58 (mean of steps 40-60; 4.0 = every token on the same experts)
-MAX_FINAL_LOSS = 2.90  # measured 2.879 at step 60 (2.882 before)
+MAX_MEAN_RATIO = 1.5  # measured 1.41 (mean of steps 40-60; 4.0 = every token on the same experts)
+MAX_EVAL_LOSS = 3.0  # measured 2.86 at step 60 on the fixed eval batches (3.17 before)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_default_run_keeps_expert_loads_even(default_run):
     assert len(late) == 21
     ratios = [r["expert_load_max_over_mean"] for r in late]
     assert np.mean(ratios) <= MAX_MEAN_RATIO, f"load max/mean over steps 40-60: {np.round(ratios, 2)}"
-    assert late[-1]["loss"] <= MAX_FINAL_LOSS
+    assert late[-1]["eval_loss"] <= MAX_EVAL_LOSS  # the same batches before and after, unlike the training loss
     assert late[-1]["routed_bias_min"] < 0 < late[-1]["routed_bias_max"]
 
 

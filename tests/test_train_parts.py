@@ -201,7 +201,7 @@ def _lm_mean(config, params, bias, batch):
 
 
 def test_output_head_in_slices_equals_the_whole_head():
-    """``output_head_chunks``: the loss (main and MTP heads) and every gradient equal the head
+    """``vocab_chunks``: the loss (main and MTP heads) and every gradient equal the head
     applied to the whole sequence, with padding; and the logits are never whole."""
     import flax.linen as nn
 
@@ -211,7 +211,7 @@ def test_output_head_in_slices_equals_the_whole_head():
     from MaxText.train.state import dummy_inputs
 
     small = ("dtype=float32", "max_target_length=16", "base_num_decoder_layers=2", "first_num_dense_layers=1")
-    whole, sliced = (make_config(*small, f"output_head_chunks={n}") for n in (1, 4))
+    whole, sliced = (make_config(*small, f"vocab_chunks={n}") for n in (1, 4))
     variables = nn.unbox(jax.jit(DeepSeekV3(whole).init)(jax.random.key(0), *dummy_inputs(whole)))
     params, bias = variables["params"], variables[BIAS]
     batch = _padded_batch(whole, [whole.max_target_length, 11], seed=2)
@@ -229,8 +229,8 @@ def test_output_head_in_slices_equals_the_whole_head():
     assert f"2x{S // 4}x{V}xf32" in hlo and f"2x{S}x{V}xf32" not in hlo  # [B, S, V] logits
 
 
-def test_output_head_chunks_must_divide_the_sequence():
+def test_vocab_chunks_must_divide_the_sequence():
     from MaxText.config import ConfigError
 
-    with pytest.raises(ConfigError, match="output_head_chunks"):
-        make_config("output_head_chunks=3")
+    with pytest.raises(ConfigError, match="vocab_chunks"):
+        make_config("vocab_chunks=3")

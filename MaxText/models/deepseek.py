@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from MaxText.config import Config
 from MaxText.layers.common import activation_dtype, constrain, float32_or_wider, kernel_init, param, weight_dtype
 from MaxText.layers.norms import RMSNorm
+from MaxText.layers.vocab_parallel import configured_axes, embed_lookup
 from MaxText.models.decoder import ACTIVATION_AXES, LayerStack
 from MaxText.models.mtp import MTPModule
 
@@ -25,7 +26,7 @@ class ModelOutput(NamedTuple):
 
 class HeadInputs(NamedTuple):
     """What the output head reads (``logits=False``): the loss applies the head itself, a slice of
-    the sequence at a time (``output_head_chunks``), so the [B, S, V] logits are never whole."""
+    the sequence at a time (``vocab_chunks``), so the [B, S, V] logits are never whole."""
 
     normed_BSD: jax.Array
     mtp_normed_NBSD: jax.Array | None
@@ -35,11 +36,6 @@ def output_logits(normed_BSD: jax.Array, head_DV: jax.Array) -> jax.Array:
     """The output head: [B, S, D] x [D, V] -> [B, S, V] logits in float32 (or wider)."""
     out = jnp.einsum("bsd,dv->bsv", normed_BSD, head_DV, preferred_element_type=float32_or_wider(head_DV.dtype))
     return constrain(out, ("activation_batch", "activation_length", "activation_vocab"))
-
-
-def output_head(params: dict, config: Config) -> jax.Array:
-    """The head's [D, V] weight from trained parameters, in the dtype the model computes with."""
-    return jnp.asarray(params["output_head"], activation_dtype(config))
 
 
 def shift_left(x_BS: jax.Array, k: int) -> jax.Array:
@@ -61,12 +57,13 @@ class DeepSeekV3(nn.Module):
         embedding_VD = self.param("token_embedding", kernel_init(c, ("vocab", "embed")), (V, D), weight_dtype(c))
 
         def embed(ids_BS: jax.Array) -> jax.Array:
-            # Whole rows on every device (gathered once, in the compute dtype), so each batch shard
-            # looks its tokens up locally: a lookup into the table's sharded embed dim would have
-            # to move the [B, S, D] result from embed-sharded to batch-sharded, which XLA can only
-            # do by replicating it when the data axis is larger than 1.
-            table_VD = constrain(jnp.asarray(embedding_VD, activation_dtype(c)), ("vocab", None))
-            return constrain(table_VD[ids_BS], ACTIVATION_AXES)
+            # Split over the vocabulary, the tokens gathered to the rows (vocab_parallel.py): a
+            # lookup into the table's sharded embed dim would have to move the [B, S, D] result
+            # from embed-sharded to batch-sharded, which XLA can only do by replicating it.
+            return constrain(
+                embed_lookup(embedding_VD, ids_BS, activation_dtype(c), c.vocab_chunks, configured_axes(c)),
+                ACTIVATION_AXES,
+            )
 
         head_DV = param(self, "output_head", c, (D, V), ("embed", "vocab"))
 

@@ -135,7 +135,7 @@ def expected_step_flops(config: Config, tokens: int) -> tuple[float, float]:
     (QK^T and PV over S/2 keys on average) + backward (twice the forward). The program does more:
     remat (``full`` or ``minimal``, as an upper bound) recomputes each scanned decoder layer's
     forward inside the backward (+1/3 of its training FLOPs; the MTP module's layer is not
-    rematerialised); with ``output_head_chunks`` > 1 the loss recomputes every head's forward
+    rematerialised); with ``vocab_chunks`` > 1 the loss recomputes every head's forward
     (+1/3 of its training FLOPs); ``dot`` attention computes every [S, S] score (2x the causal count);
     ``flash`` visits (n+1)/n of the causal blocks (n query blocks, the diagonal ones whole) and its
     backward recomputes the scores (5 matmuls against autodiff's 4: 7/6)."""
@@ -153,7 +153,7 @@ def expected_step_flops(config: Config, tokens: int) -> tuple[float, float]:
         remat_attention = (n + 1) / n * 9 / 6
     main = layers * (1 + 1 / 3 if remat else 1) + flops.attention * (remat_attention if remat else attention_factor)
     mtp = flops.mtp + config.mtp_num_layers * per_layer_attention * (attention_factor - 1)
-    if config.output_head_chunks > 1:
+    if config.vocab_chunks > 1:
         head += head / 3 * (1 + config.mtp_num_layers)
     return float(flops.total) * tokens, (main + head + mtp) * tokens
 

@@ -11,9 +11,10 @@ Each cross-entropy is a sum over tokens divided by the token count of the whole 
 losses and gradients then add up to exactly the whole batch's, however their padding differs
 (averaging per-micro-batch means would weigh a token of a half-empty micro-batch twice).
 
-The output head is applied here, not in the model (``HeadInputs``), over ``output_head_chunks``
-slices of the sequence: at the 671B a [4096, 129,280] float32 logits array is 2.1 GB per sequence
-and head, held several times over (logits, log-softmax, gradient) when taken whole.
+The output head is applied here, not in the model (``HeadInputs``), over ``vocab_chunks`` slices
+of the sequence and split over the vocabulary (``layers/vocab_parallel.py``): at the 671B a
+[4096, 129,280] float32 logits array is 2.1 GB per sequence and head, held several times over
+(logits, log-softmax, gradient) when taken whole.
 
 Shape legend: B batch, S sequence, D model dim, V vocabulary, N MTP depth.
 """
@@ -25,8 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from MaxText.config import Config
-from MaxText.layers.common import constrain
-from MaxText.models.deepseek import DeepSeekV3, output_head, output_logits, shift_left
+from MaxText.layers.vocab_parallel import configured_axes, head_nll_sum
+from MaxText.models.deepseek import DeepSeekV3, shift_left
 from MaxText.moe.block import BIAS, LOAD, LOSS
 from MaxText.moe.capacity import capacity
 
@@ -45,28 +46,6 @@ def token_nll_sum(logits_BSV: jax.Array, targets_BS: jax.Array, weights_BS: jax.
     logprobs_BSV = jax.nn.log_softmax(logits_BSV.astype(jnp.promote_types(logits_BSV.dtype, jnp.float32)), axis=-1)
     nll_BS = -jnp.take_along_axis(logprobs_BSV, targets_BS[..., None], axis=-1)[..., 0]
     return (nll_BS * weights_BS).sum()
-
-
-def head_nll_sum(
-    normed_BSD: jax.Array, head_DV: jax.Array, targets_BS: jax.Array, weights_BS: jax.Array, chunks: int
-) -> jax.Array:
-    """``token_nll_sum`` of the output head's logits, computed over ``chunks`` equal slices of the
-    sequence one after another: each slice's [B, S / chunks, V] float32 logits live only while
-    its loss is taken, and are recomputed in the backward pass."""
-    if chunks == 1:
-        return token_nll_sum(output_logits(normed_BSD, head_DV), targets_BS, weights_BS)
-    B, S = targets_BS.shape
-    head_DV = constrain(head_DV, (None, "vocab"))  # gathered once for all slices, not once per slice
-
-    def slices(a):  # [B, S, ...] -> [chunks, B, S / chunks, ...]
-        return a.reshape(B, chunks, S // chunks, *a.shape[2:]).swapaxes(0, 1)
-
-    @jax.checkpoint
-    def slice_nll(args):
-        normed, targets, weights = args
-        return token_nll_sum(output_logits(normed, head_DV), targets, weights)
-
-    return jax.lax.map(slice_nll, (slices(normed_BSD), slices(targets_BS), slices(weights_BS))).sum()
 
 
 def cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array, weights_BS: jax.Array) -> jax.Array:
@@ -119,7 +98,9 @@ def compute_loss(
         mutable=[LOAD, LOSS],
     )
     targets_BS, segments_BS = batch["targets"], batch["targets_segmentation"]
-    nll_sum = partial(head_nll_sum, head_DV=output_head(params, config), chunks=config.output_head_chunks)
+    nll_sum = partial(
+        head_nll_sum, head_DV=params["output_head"], chunks=config.vocab_chunks, axes=configured_axes(config)
+    )
     lm_loss = nll_sum(normed_BSD, targets_BS=targets_BS, weights_BS=(segments_BS != 0).astype(jnp.float32))
     lm_loss /= jnp.maximum(counts.lm, 1)
 

@@ -1,0 +1,82 @@
+"""The embedding lookup and the head's cross-entropy split over the vocabulary
+(``MaxText/layers/vocab_parallel.py``) equal the plain computation, forward and gradients, on 8
+simulated devices: every batch axis in the vocabulary group, a subset of them (the vocabulary
+does not divide by all), none, and in slices of the sequence. The reference here is written out:
+``table[ids]`` and a log-softmax over whole logits on one device."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from MaxText.layers.vocab_parallel import configured_axes, embed_lookup, head_nll_sum, vocab_group
+from tests.conftest import make_config
+
+RULES = (("activation_batch", ("data", "fsdp", "expert")),)
+B, S, D = 8, 16, 12
+
+
+def reference_loss(table_VD, head_DV, x_BSD, ids_BS, weights_BS):
+    h_BSD = x_BSD + table_VD[ids_BS]
+    logprobs = jax.nn.log_softmax(jnp.einsum("bsd,dv->bsv", h_BSD, head_DV), axis=-1)
+    return -(jnp.take_along_axis(logprobs, ids_BS[..., None], axis=-1)[..., 0] * weights_BS).sum()
+
+
+def split_loss(chunks):
+    def loss(table_VD, head_DV, x_BSD, ids_BS, weights_BS):
+        h_BSD = x_BSD + embed_lookup(table_VD, ids_BS, jnp.float32, chunks, ("data", "fsdp", "expert"))
+        return head_nll_sum(h_BSD, head_DV, ids_BS, weights_BS, chunks, ("data", "fsdp", "expert"))
+
+    return loss
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, vocab, chunks, group",
+    [
+        ((1, 2, 4), 64, 1, ("fsdp", "expert")),
+        ((1, 2, 4), 64, 4, ("fsdp", "expert")),
+        ((2, 2, 2), 36, 2, ("data", "fsdp")),  # 8 does not divide 36: the group is 4 of the 8
+        ((1, 1, 8), 63, 1, ()),  # no batch axis divides 63: the plain computation
+    ],
+)
+def test_split_over_the_vocabulary_equals_the_plain_computation(mesh_shape, vocab, chunks, group):
+    keys = jax.random.split(jax.random.key(0), 5)
+    args = (
+        jax.random.normal(keys[0], (vocab, D)),
+        0.3 * jax.random.normal(keys[1], (D, vocab)),
+        jax.random.normal(keys[2], (B, S, D)),
+        jax.random.randint(keys[3], (B, S), 0, vocab),
+        (jax.random.uniform(keys[4], (B, S)) > 0.3).astype(jnp.float32),  # positions without loss
+    )
+    expected, expected_grads = jax.value_and_grad(reference_loss, argnums=(0, 1, 2))(*args)
+
+    mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), ("data", "fsdp", "expert"))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        assert vocab_group(vocab, ("data", "fsdp", "expert")) == group
+        specs = (P(None, "fsdp"), P("fsdp", None), P(("data", "fsdp", "expert")), P(None), P(None))
+        placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs, strict=True)]
+        loss, grads = jax.jit(jax.value_and_grad(split_loss(chunks), argnums=(0, 1, 2)))(*placed)
+
+    np.testing.assert_allclose(loss, expected, rtol=1e-6)
+    for got, want in zip(grads, expected_grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(jnp.abs(want).max()))
+
+
+def test_the_group_is_the_largest_product_of_batch_axes_dividing_the_vocabulary():
+    """The GB300 recipe's 1,024 devices (data 8 x fsdp 2 x expert 64): 129,280 = 2^8 x 505 rows
+    split 128 ways (fsdp x expert, the axes the table's embed dim is stored over)."""
+    mesh = jax.sharding.AbstractMesh((8, 2, 64), ("data", "fsdp", "expert"))
+    with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(RULES):
+        assert vocab_group(129_280, ("data", "fsdp", "expert")) == ("fsdp", "expert")
+        assert vocab_group(129_280, ("data", "fsdp")) == ("data", "fsdp")
+
+
+def test_auto_takes_the_axes_inside_the_fast_domain():
+    """Tokens move over the group's axes, so ``auto`` keeps the group inside a rack (no dcn
+    factor): the GB200 recipe's racks split fsdp and data, leaving expert."""
+    config = make_config("ici_expert_parallelism=4", "dcn_fsdp_parallelism=2")
+    assert configured_axes(config) == ("data", "expert", "tensor")
+    assert configured_axes(make_config("vocab_parallel_axes=[fsdp]")) == ("fsdp",)
