@@ -8,7 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from MaxText.train.loss import cross_entropy, mtp_weights
+from MaxText.layers.vocab_parallel import head_nll_sum
+from MaxText.train.loss import mtp_weights
 from MaxText.train.metrics import peak_tflops, throughput
 from MaxText.train.optimizer import learning_rate_schedule, make_optimizer, weight_decay_mask
 from MaxText.train.step import load_max_over_mean_per_router, split_micro_batches, update_correction_bias
@@ -69,13 +70,21 @@ def test_micro_batches_partition_the_rows():
     assert sorted(np.asarray(micro).reshape(-1).tolist()) == list(range(24))
 
 
+def cross_entropy(logits_BSV, targets_BS, weights_BS):
+    """Mean token cross-entropy over positions with weight 1 (the tests' reference)."""
+    logprobs = jax.nn.log_softmax(logits_BSV, axis=-1)
+    nll = -jnp.take_along_axis(logprobs, targets_BS[..., None], axis=-1)[..., 0]
+    return (nll * weights_BS).sum() / jnp.maximum(weights_BS.sum(), 1)
+
+
 def test_cross_entropy_and_mtp_weights():
     logits = jnp.log(jnp.array([[[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]]]))
     targets = jnp.array([[0, 2]])
-    assert float(cross_entropy(logits, targets, jnp.ones((1, 2)))) == pytest.approx(
-        -(math.log(0.5) + math.log(0.8)) / 2
+    head = jnp.eye(3)  # the head's sum over an identity head: the cross-entropy of these logits
+    assert float(head_nll_sum(logits, head, targets, jnp.ones((1, 2)), 1, ())) == pytest.approx(
+        -(math.log(0.5) + math.log(0.8))
     )
-    assert float(cross_entropy(logits, targets, jnp.array([[0.0, 1.0]]))) == pytest.approx(-math.log(0.8))
+    assert float(head_nll_sum(logits, head, targets, jnp.array([[0.0, 1.0]]), 1, ())) == pytest.approx(-math.log(0.8))
     segments = jnp.array([[1, 1, 1, 2, 2, 0]])
     # Depth 1 at position i predicts target i+1: valid inside a document and the sequence only.
     np.testing.assert_array_equal(mtp_weights(segments, 1), [[1, 1, 0, 1, 0, 0]])

@@ -66,8 +66,8 @@ def test_split_over_the_vocabulary_equals_the_plain_computation(mesh_shape, voca
 
 
 def test_the_group_is_the_largest_product_of_batch_axes_dividing_the_vocabulary():
-    """The GB300 recipe's 1,024 devices (data 8 x fsdp 2 x expert 64): 129,280 = 2^8 x 505 rows
-    split 128 ways (fsdp x expert, the axes the table's embed dim is stored over)."""
+    """Given all three axes of 1,024 devices (data 8 x fsdp 2 x expert 64), 129,280 = 2^8 x 505
+    rows split 128 ways (fsdp x expert, the axes the table's embed dim is stored over)."""
     mesh = jax.sharding.AbstractMesh((8, 2, 64), ("data", "fsdp", "expert"))
     with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(RULES):
         assert vocab_group(129_280, ("data", "fsdp", "expert")) == ("fsdp", "expert")

@@ -28,7 +28,6 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -36,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from MaxText.config import Config
 from MaxText.layers.common import constrain, float32_or_wider
 from MaxText.parallel.mesh import fast_domain_axes
+from MaxText.parallel.sharding import batch_mesh_axes
 
 
 def configured_axes(config: Config) -> tuple[str, ...]:
@@ -46,22 +46,18 @@ def configured_axes(config: Config) -> tuple[str, ...]:
     return tuple(config.vocab_parallel_axes)
 
 
-def batch_mesh_axes() -> tuple[str, ...]:
-    """The mesh axes of ``activation_batch`` (those of size > 1), () outside a mesh."""
+def split_batch_axes() -> tuple[str, ...]:
+    """The batch mesh axes that split the tokens (size > 1), () outside a mesh."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return ()
-    axes = nn.logical_to_mesh_axes(("activation_batch",))[0]
-    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    return tuple(a for a in names if mesh.shape[a] > 1)
+    return tuple(a for a in batch_mesh_axes() if mesh.shape[a] > 1)
 
 
 def vocab_group(vocab_size: int, axes: Sequence[str]) -> tuple[str, ...]:
     """The axes to split the vocabulary over: of ``axes`` that are batch axes, the largest product
-    that divides it (all of them where possible: data 8 x fsdp 2 x expert 64 split 129,280 rows
-    128 ways, not 1,024)."""
+    that divides it (all of them where possible: given data 8 x fsdp 2 x expert 64, 129,280 rows
+    split 128 ways, over fsdp x expert, not 1,024)."""
     mesh = jax.sharding.get_abstract_mesh()
-    candidates = [a for a in batch_mesh_axes() if a in axes]
+    candidates = [a for a in split_batch_axes() if a in axes]
     best, best_ways = (), 1
     for r in range(len(candidates), 0, -1):
         for group in itertools.combinations(candidates, r):
@@ -73,7 +69,7 @@ def vocab_group(vocab_size: int, axes: Sequence[str]) -> tuple[str, ...]:
 
 def _split(batch_size: int, vocab_size: int, axes: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
     """(batch axes, vocabulary group), or None where the plain computation applies."""
-    batch_axes = batch_mesh_axes()
+    batch_axes = split_batch_axes()
     if not batch_axes:
         return None
     shards = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in batch_axes)
@@ -99,11 +95,35 @@ def _first_row(group: tuple[str, ...], rows: int) -> jax.Array:
     return jax.lax.axis_index(group) * rows
 
 
+def _varying_over_others(weight: jax.Array, batch_axes: tuple[str, ...], group: tuple[str, ...]) -> jax.Array:
+    """Mark the weight as varying over the batch axes outside the group (they hold other tokens
+    and the same rows), before the slices: its gradient is then summed over those axes once, in
+    the weight's float32, instead of once per slice in the compute dtype."""
+    others = tuple(a for a in batch_axes if a not in group)
+    return jax.lax.pcast(weight, others, to="varying") if others else weight
+
+
+def _gather_tokens(x_bsD: jax.Array, group: tuple[str, ...]) -> jax.Array:
+    """The group's tokens, [n x b, s, D]. The backward pass sums the group's n partial gradients
+    in float32 before rounding to ``x``'s dtype (a bfloat16 reduce-scatter would round n times)."""
+
+    @jax.custom_vjp
+    def gather(x):
+        return jax.lax.all_gather(x, group, axis=0, tiled=True)
+
+    def gather_bwd(_, g):
+        wide = g.astype(float32_or_wider(g.dtype))
+        return (jax.lax.psum_scatter(wide, group, scatter_dimension=0, tiled=True).astype(g.dtype),)
+
+    gather.defvjp(lambda x: (gather(x), None), gather_bwd)
+    return gather(x_bsD)
+
+
 def embed_lookup(
     table_VD: jax.Array, ids_BS: jax.Array, dtype: jnp.dtype, chunks: int, axes: Sequence[str]
 ) -> jax.Array:
-    """``table[ids]`` in ``dtype``, [B, S, D]. The rows are read from the float32 (weight dtype)
-    table, so its gradient is summed in float32; only the looked-up rows are cast."""
+    """``table[ids]`` in ``dtype``, [B, S, D]. Split over a group, the rows are read from the
+    float32 (weight dtype) table, so its gradient is summed in float32; only the rows are cast."""
     split = _split(ids_BS.shape[0], table_VD.shape[0], axes)
     if split is None:  # whole rows on every device, so that each batch shard looks its tokens up locally
         return constrain(jnp.asarray(table_VD, dtype), ("vocab", None))[ids_BS]
@@ -112,6 +132,7 @@ def embed_lookup(
     def lookup(table_vD: jax.Array, ids_bS: jax.Array) -> jax.Array:
         rows = table_vD.shape[0]
         first = _first_row(group, rows)
+        table_vD = _varying_over_others(table_vD, batch_axes, group)
 
         def lookup_slice(ids_bs: jax.Array) -> jax.Array:
             local_ns = jax.lax.all_gather(ids_bs, group, axis=0, tiled=True) - first
@@ -126,7 +147,7 @@ def embed_lookup(
     return jax.shard_map(lookup, in_specs=(P(group, None), P(batch_axes)), out_specs=P(batch_axes))(table_VD, ids_BS)
 
 
-def logits(x_bsD: jax.Array, head_Dv: jax.Array) -> jax.Array:
+def head_logits(x_bsD: jax.Array, head_Dv: jax.Array) -> jax.Array:
     """[.., D] x [D, v] -> [.., v] logits in float32 (or wider)."""
     return jnp.einsum("bsd,dv->bsv", x_bsD, head_Dv, preferred_element_type=float32_or_wider(head_Dv.dtype))
 
@@ -141,8 +162,8 @@ def head_nll_sum(
 ) -> jax.Array:
     """Summed cross-entropy of the head's logits over positions with weight 1 (float32 or wider),
     over ``chunks`` slices of the sequence in turn; each slice's logits are recomputed in the
-    backward pass. ``head_DV`` may be float32: it is cast to the hidden states' dtype per slice,
-    so its gradient is summed over slices in float32."""
+    backward pass. Split over a group, a float32 ``head_DV`` is cast to the hidden states' dtype
+    per slice, so its gradient is summed over slices in float32."""
     split = _split(targets_BS.shape[0], head_DV.shape[1], axes)
     if split is None:  # the head gathered once for all slices, not once per slice
         head_DV = constrain(jnp.asarray(head_DV, normed_BSD.dtype), (None, "vocab"))
@@ -153,29 +174,32 @@ def head_nll_sum(
         rows = w_Dv.shape[1]
         first = _first_row(group, rows)
 
-        def slice_nll(args, w_Dv) -> jax.Array:
-            x_nsD, t_ns, wt_ns = (jax.lax.all_gather(a, group, axis=0, tiled=True) for a in args)
-            logits_nsv = logits(x_nsD, w_Dv.astype(x_nsD.dtype))
+        def slice_nll(args: tuple[jax.Array, ...], w_Dv: jax.Array) -> jax.Array:
+            x_bsD, t_bs, wt_bs = args
+            x_nsD = _gather_tokens(x_bsD, group)
+            t_ns = jax.lax.all_gather(t_bs, group, axis=0, tiled=True)
+            logits_nsv = head_logits(x_nsD, w_Dv.astype(x_nsD.dtype))
             top_ns = jax.lax.pmax(jax.lax.stop_gradient(logits_nsv.max(axis=-1)), group)
             sum_ns = jax.lax.psum(jnp.exp(logits_nsv - top_ns[..., None]).sum(axis=-1), group)
             local_ns = t_ns - first
             mine_ns = (local_ns >= 0) & (local_ns < rows)
             picked_ns = jnp.take_along_axis(logits_nsv, jnp.clip(local_ns, 0, rows - 1)[..., None], axis=-1)[..., 0]
             target_ns = jax.lax.psum(jnp.where(mine_ns, picked_ns, 0), group)
-            nll_ns = (top_ns + jnp.log(sum_ns) - target_ns) * wt_ns  # every device of the group has all
-            own_bs = nll_ns.reshape(-1, *args[0].shape[:2])[jax.lax.axis_index(group)]
-            return own_bs.sum()  # each token counted once, on the device that holds it
+            nll_ns = top_ns + jnp.log(sum_ns) - target_ns  # every device of the group has all
+            own_bs = nll_ns.reshape(-1, *t_bs.shape)[jax.lax.axis_index(group)]
+            return (own_bs * wt_bs).sum()  # each token counted once, on the device that holds it
 
+        w_Dv = _varying_over_others(w_Dv, batch_axes, group)
         return jax.lax.psum(_map_slices(slice_nll, (x_bSD, t_bS, wt_bS), chunks, w_Dv), batch_axes)
 
     specs = (P(batch_axes), P(None, group), P(batch_axes), P(batch_axes))
     return jax.shard_map(nll, in_specs=specs, out_specs=P())(normed_BSD, head_DV, targets_BS, weights_BS)
 
 
-def _whole_head_nll(args, head_DV: jax.Array) -> jax.Array:
+def _whole_head_nll(args: tuple[jax.Array, ...], head_DV: jax.Array) -> jax.Array:
     """The same sum with the head whole on this device."""
     x_bsD, t_bs, wt_bs = args
-    logprobs = jax.nn.log_softmax(logits(x_bsD, head_DV.astype(x_bsD.dtype)), axis=-1)
+    logprobs = jax.nn.log_softmax(head_logits(x_bsD, head_DV), axis=-1)
     return (-jnp.take_along_axis(logprobs, t_bs[..., None], axis=-1)[..., 0] * wt_bs).sum()
 
 

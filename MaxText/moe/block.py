@@ -25,6 +25,7 @@ from MaxText.layers.common import activation_dtype, constrain, float32_or_wider,
 from MaxText.layers.mlp import SwiGLU
 from MaxText.moe.experts import routed_experts
 from MaxText.moe.router import Routing, route, sequence_balance_loss, tokens_per_expert
+from MaxText.parallel.sharding import batch_mesh_axes
 
 # Collections written by every MoE block (see the module docstring).
 BIAS, LOAD, LOSS = "moe_bias", "moe_load", "moe_loss"
@@ -37,8 +38,7 @@ def route_token_shards(logits_TE: jax.Array, bias_E: jax.Array, config: Config) 
     every device: on the GB300 recipe's 1,024 devices it gathered the global [T, E] scores
     (4.3 GB) twice per MoE layer and ran top-k on all of them."""
     mesh = jax.sharding.get_abstract_mesh()
-    axes = nn.logical_to_mesh_axes(("activation_batch",))[0] if not mesh.empty else None
-    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    names = batch_mesh_axes()
     ways = math.prod(mesh.shape[a] for a in names) if names else 1
     if ways == 1 or logits_TE.shape[0] % ways:
         return route(logits_TE, bias_E, config)

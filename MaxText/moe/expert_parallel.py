@@ -64,6 +64,7 @@ from jax.sharding import PartitionSpec as P
 
 from MaxText.config import Config
 from MaxText.moe.dispatch import gather_rows, in_rounds, sum_copies
+from MaxText.parallel.sharding import batch_mesh_axes
 
 
 def expert_axis() -> str | None:
@@ -75,10 +76,6 @@ def expert_axis() -> str | None:
     if not isinstance(axes, str):
         raise ValueError(f"logical_axis_rules: 'exp' must map to one mesh axis, got {axes}")
     return axes if mesh.shape[axes] > 1 else None
-
-
-def _mesh_axes(spec_entry) -> tuple[str, ...]:
-    return () if spec_entry is None else (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
 
 
 # ---- slot exchanges: slot d of every device's [ep * S] rows goes to device d ----
@@ -307,7 +304,7 @@ def exchange_token_axes(num_tokens: int, axis: str) -> tuple[str, ...]:
     so that no two devices send or compute the same copies (the rules' axes alone where
     ``num_tokens`` does not divide)."""
     mesh = jax.sharding.get_abstract_mesh()
-    rule_axes = _mesh_axes(nn.logical_to_mesh_axes(("activation_batch",))[0])
+    rule_axes = batch_mesh_axes()
     extra = tuple(a for a in mesh.axis_names if a not in rule_axes and a != axis and mesh.shape[a] > 1)
     split = math.prod(mesh.shape[a] for a in rule_axes + extra)
     return rule_axes + extra if num_tokens % split == 0 else rule_axes

@@ -22,20 +22,15 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from MaxText.config import Config
 from MaxText.moe.dispatch import BlockLayout
+from MaxText.parallel.sharding import batch_mesh_axes
 
 ALIGN_ROWS = 128  # TE pads each expert's received group to this many rows (its grouped-GEMM tile)
-
-
-def _token_axes() -> tuple[str, ...]:
-    spec = nn.logical_to_mesh_axes(("activation_batch",))[0]
-    return () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
 
 
 def rank_tokens(num_tokens: int, axis_sizes: Mapping[str, int], token_axes: Sequence[str]) -> int:
@@ -64,7 +59,7 @@ def ep_context(config: Config, mesh: jax.sharding.Mesh, tokens_per_device: int, 
     from transformer_engine.jax import ep
     from transformer_engine.jax.sharding import MeshResource, global_shard_guard
 
-    outer = [a for a in _token_axes() if a != axis]
+    outer = [a for a in batch_mesh_axes() if a != axis]
     resource = MeshResource(fsdp_resource=outer[-1] if outer else None, ep_resource=axis)
     tokens_per_rank = rank_tokens(tokens_per_device * mesh.size, mesh.shape, (*outer, axis))
     with jax.set_mesh(mesh), global_shard_guard(resource):
@@ -109,7 +104,7 @@ def te_experts(
     cfg = ep.EpLayerConfig(top_k=K, dispatch_output_per_expert_alignment=ALIGN_ROWS)
     mesh = jax.sharding.get_abstract_mesh()
     # TE wants the token dim split over (outer axes..., ep) exactly, with ep innermost.
-    rows_spec = P((*[a for a in _token_axes() if a != axis], axis))
+    rows_spec = P((*[a for a in batch_mesh_axes() if a != axis], axis))
     capacity = recv_capacity(config, rank_tokens(T, mesh.shape, rows_spec[0]), mesh.shape[axis])
     x_TD, experts_TK, weights_TK = (
         jax.lax.with_sharding_constraint(a, P(rows_spec[0], None)) for a in (x_TD, experts_TK, weights_TK)

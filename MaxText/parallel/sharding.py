@@ -26,6 +26,14 @@ def axis_rules(config: Config) -> Rules:
     return tuple((name, mesh_axes(axes)) for name, axes in config.logical_axis_rules)
 
 
+def batch_mesh_axes() -> tuple[str, ...]:
+    """The mesh axes the rules map ``activation_batch`` (the tokens' split) onto, () outside a mesh."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return ()
+    axes = nn.logical_to_mesh_axes(("activation_batch",))[0]
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
 def logical_to_shardings(boxed_tree: Any, mesh: Mesh, config: Config) -> Any:
     """NamedShardings for a tree of logically-partitioned (boxed) abstract values."""
     specs = parameter_specs(boxed_tree, dict(mesh.shape), config)

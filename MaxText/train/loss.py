@@ -41,18 +41,6 @@ class LossParts(NamedTuple):
     dropped_tokens: jax.Array  # token copies the capacity baseline dropped (0 when dropless)
 
 
-def token_nll_sum(logits_BSV: jax.Array, targets_BS: jax.Array, weights_BS: jax.Array) -> jax.Array:
-    """Summed token cross-entropy over positions with weight 1 (float32 or wider)."""
-    logprobs_BSV = jax.nn.log_softmax(logits_BSV.astype(jnp.promote_types(logits_BSV.dtype, jnp.float32)), axis=-1)
-    nll_BS = -jnp.take_along_axis(logprobs_BSV, targets_BS[..., None], axis=-1)[..., 0]
-    return (nll_BS * weights_BS).sum()
-
-
-def cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array, weights_BS: jax.Array) -> jax.Array:
-    """Mean token cross-entropy over positions with weight 1."""
-    return token_nll_sum(logits_BSV, targets_BS, weights_BS) / jnp.maximum(weights_BS.sum(), 1)
-
-
 def mtp_weights(targets_segmentation_BS: jax.Array, k: int) -> jax.Array:
     """1 where MTP depth k has a valid target: inside the sequence and in the same document."""
     S = targets_segmentation_BS.shape[1]
