@@ -231,11 +231,20 @@ class Config(BaseModel):
         """Sequences per optimizer step."""
         return self.micro_batch_size(num_devices) * self.gradient_accumulation_steps
 
+    def fast_domain_axes(self) -> list[str]:
+        """The mesh axes that stay inside one fast domain (no dcn factor: NVLink inside a rack)."""
+        return [axis for axis, dcn in zip(MESH_AXES, self.dcn_parallelism(), strict=True) if dcn == 1]
+
     def with_platform(self, platform: str) -> Config:
-        """Resolve hardware-dependent values (``dtype: auto``) once the JAX platform is known."""
-        if self.dtype != "auto":
-            return self
-        return self.model_copy(update={"dtype": "bfloat16" if platform == "gpu" else "float32"})
+        """Resolve hardware-dependent values (``dtype``, ``vocab_parallel_axes``: auto) once the JAX
+        platform is known. The vocabulary split's token traffic belongs on a GPU's NVLink; between
+        CPU processes (gloo) it would only add collectives to every step."""
+        update: dict[str, Any] = {}
+        if self.dtype == "auto":
+            update["dtype"] = "bfloat16" if platform == "gpu" else "float32"
+        if self.vocab_parallel_axes == "auto":
+            update["vocab_parallel_axes"] = self.fast_domain_axes() if platform == "gpu" else []
+        return self.model_copy(update=update) if update else self
 
 
 # ---------------------------------------------------------------- rules

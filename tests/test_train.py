@@ -94,10 +94,11 @@ def test_output_contract(reference):
 
 
 def test_sharded_run_matches_single_device_and_resumes_on_another_mesh(reference, tmp_path, jax_cache):
-    """fsdp=2 x expert=4 over 8 simulated devices, same global batch; then the same run continues
-    from its last checkpoint on 4 devices with fsdp=4 (the checkpoint is resharded on restore),
-    each step accumulating two micro-batches of 4 sequences."""
-    common = ("run_name=sharded", SAME_SCHEDULE, "log_period=1")
+    """fsdp=2 x expert=4 over 8 simulated devices, same global batch, with the embedding and the
+    head split over the vocabulary; then the same run continues from its last checkpoint on 4
+    devices with fsdp=4 (the checkpoint is resharded on restore), each step accumulating two
+    micro-batches of 4 sequences."""
+    common = ("run_name=sharded", SAME_SCHEDULE, "log_period=1", "vocab_parallel_axes=[data,fsdp,expert]")
     records = run(
         jax_cache,
         tmp_path,

@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from MaxText.config import load_config
 from MaxText.layers.vocab_parallel import configured_axes, embed_lookup, head_nll_sum, vocab_group
 from tests.conftest import make_config
 
@@ -74,9 +75,11 @@ def test_the_group_is_the_largest_product_of_batch_axes_dividing_the_vocabulary(
         assert vocab_group(129_280, ("data", "fsdp")) == ("data", "fsdp")
 
 
-def test_auto_takes_the_axes_inside_the_fast_domain():
-    """Tokens move over the group's axes, so ``auto`` keeps the group inside a rack (no dcn
-    factor): the GB200 recipe's racks split fsdp and data, leaving expert."""
-    config = make_config("ici_expert_parallelism=4", "dcn_fsdp_parallelism=2")
-    assert configured_axes(config) == ("data", "expert", "tensor")
+def test_auto_takes_the_axes_inside_the_fast_domain_on_gpu():
+    """Tokens move over the group's axes, so on GPUs ``auto`` keeps the group inside a rack (no
+    dcn factor: the GB200 recipe's racks split fsdp and data, leaving expert); CPU processes
+    exchange over gloo and keep the plain computation."""
+    config = load_config(["ici_expert_parallelism=4", "dcn_fsdp_parallelism=2"])
+    assert configured_axes(config.with_platform("gpu")) == ("data", "expert", "tensor")
+    assert configured_axes(config.with_platform("cpu")) == ()
     assert configured_axes(make_config("vocab_parallel_axes=[fsdp]")) == ("fsdp",)

@@ -34,15 +34,14 @@ from jax.sharding import PartitionSpec as P
 
 from MaxText.config import Config
 from MaxText.layers.common import constrain, float32_or_wider
-from MaxText.parallel.mesh import fast_domain_axes
 from MaxText.parallel.sharding import batch_mesh_axes
 
 
 def configured_axes(config: Config) -> tuple[str, ...]:
-    """``vocab_parallel_axes``, ``auto`` resolved to the axes inside the fast domain (NVLink):
-    the group's tokens move over them, the weights' V / n rows over the others."""
+    """``vocab_parallel_axes``; an unresolved ``auto`` (see ``Config.with_platform``) means the
+    axes inside the fast domain: the group's tokens move over them, the weights' rows over the others."""
     if config.vocab_parallel_axes == "auto":
-        return fast_domain_axes(config)
+        return tuple(config.fast_domain_axes())
     return tuple(config.vocab_parallel_axes)
 
 

@@ -46,11 +46,6 @@ def mesh_shape(config: Config, num_devices: int) -> tuple[list[int], list[int]]:
     return dcn, ici
 
 
-def fast_domain_axes(config: Config) -> tuple[str, ...]:
-    """The mesh axes that stay inside one fast domain (no dcn factor)."""
-    return tuple(a for a, d in zip(MESH_AXES, config.dcn_parallelism(), strict=True) if d == 1)
-
-
 def make_mesh(config: Config, devices: list | None = None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     devices.sort(key=lambda d: (d.process_index, d.id))
