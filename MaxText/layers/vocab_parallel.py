@@ -89,9 +89,11 @@ def _unslice(a: jax.Array) -> jax.Array:
     return a.reshape(a.shape[0], a.shape[1] * a.shape[2], *a.shape[3:])
 
 
-def _first_row(group: tuple[str, ...], rows: int) -> jax.Array:
-    """The vocabulary row this device's shard starts at (inside ``shard_map``)."""
-    return jax.lax.axis_index(group) * rows
+def _local_rows(ids: jax.Array, group: tuple[str, ...], rows: int) -> jax.Array:
+    """Vocabulary ids as rows of this device's shard (inside ``shard_map``); ids held by another
+    device map past the end (``rows``), where a ``mode="fill"`` read gives 0."""
+    local = ids - jax.lax.axis_index(group) * rows
+    return jnp.where((local >= 0) & (local < rows), local, rows)
 
 
 def _varying_over_others(weight: jax.Array, batch_axes: tuple[str, ...], group: tuple[str, ...]) -> jax.Array:
@@ -129,14 +131,11 @@ def embed_lookup(
     batch_axes, group = split
 
     def lookup(table_vD: jax.Array, ids_bS: jax.Array) -> jax.Array:
-        rows = table_vD.shape[0]
-        first = _first_row(group, rows)
         table_vD = _varying_over_others(table_vD, batch_axes, group)
 
         def lookup_slice(ids_bs: jax.Array) -> jax.Array:
-            local_ns = jax.lax.all_gather(ids_bs, group, axis=0, tiled=True) - first
-            local_ns = jnp.where((local_ns >= 0) & (local_ns < rows), local_ns, rows)  # others: past the end
-            rows_nsD = jnp.take(table_vD, local_ns, axis=0, mode="fill", fill_value=0).astype(dtype)  # zero there
+            local_ns = _local_rows(jax.lax.all_gather(ids_bs, group, axis=0, tiled=True), group, table_vD.shape[0])
+            rows_nsD = jnp.take(table_vD, local_ns, axis=0, mode="fill", fill_value=0).astype(dtype)
             return jax.lax.psum_scatter(rows_nsD, group, scatter_dimension=0, tiled=True)
 
         if chunks == 1:
@@ -170,9 +169,6 @@ def head_nll_sum(
     batch_axes, group = split
 
     def nll(x_bSD: jax.Array, w_Dv: jax.Array, t_bS: jax.Array, wt_bS: jax.Array) -> jax.Array:
-        rows = w_Dv.shape[1]
-        first = _first_row(group, rows)
-
         def slice_nll(args: tuple[jax.Array, ...], w_Dv: jax.Array) -> jax.Array:
             x_bsD, t_bs, wt_bs = args
             x_nsD = _gather_tokens(x_bsD, group)
@@ -180,10 +176,9 @@ def head_nll_sum(
             logits_nsv = head_logits(x_nsD, w_Dv.astype(x_nsD.dtype))
             top_ns = jax.lax.pmax(jax.lax.stop_gradient(logits_nsv.max(axis=-1)), group)
             sum_ns = jax.lax.psum(jnp.exp(logits_nsv - top_ns[..., None]).sum(axis=-1), group)
-            local_ns = t_ns - first
-            mine_ns = (local_ns >= 0) & (local_ns < rows)
-            picked_ns = jnp.take_along_axis(logits_nsv, jnp.clip(local_ns, 0, rows - 1)[..., None], axis=-1)[..., 0]
-            target_ns = jax.lax.psum(jnp.where(mine_ns, picked_ns, 0), group)
+            local_ns = _local_rows(t_ns, group, logits_nsv.shape[-1])
+            picked_ns = jnp.take_along_axis(logits_nsv, local_ns[..., None], axis=-1, mode="fill", fill_value=0)
+            target_ns = jax.lax.psum(picked_ns[..., 0], group)
             nll_ns = top_ns + jnp.log(sum_ns) - target_ns  # every device of the group has all
             own_bs = nll_ns.reshape(-1, *t_bs.shape)[jax.lax.axis_index(group)]
             return (own_bs * wt_bs).sum()  # each token counted once, on the device that holds it

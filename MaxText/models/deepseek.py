@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from MaxText.config import Config
-from MaxText.layers.common import activation_dtype, constrain, float32_or_wider, kernel_init, param, weight_dtype
+from MaxText.layers.common import activation_dtype, constrain, kernel_init, param, weight_dtype
 from MaxText.layers.norms import RMSNorm
-from MaxText.layers.vocab_parallel import configured_axes, embed_lookup
+from MaxText.layers.vocab_parallel import configured_axes, embed_lookup, head_logits
 from MaxText.models.decoder import ACTIVATION_AXES, LayerStack
 from MaxText.models.mtp import MTPModule
 
@@ -34,8 +34,7 @@ class HeadInputs(NamedTuple):
 
 def output_logits(normed_BSD: jax.Array, head_DV: jax.Array) -> jax.Array:
     """The output head: [B, S, D] x [D, V] -> [B, S, V] logits in float32 (or wider)."""
-    out = jnp.einsum("bsd,dv->bsv", normed_BSD, head_DV, preferred_element_type=float32_or_wider(head_DV.dtype))
-    return constrain(out, ("activation_batch", "activation_length", "activation_vocab"))
+    return constrain(head_logits(normed_BSD, head_DV), ("activation_batch", "activation_length", "activation_vocab"))
 
 
 def shift_left(x_BS: jax.Array, k: int) -> jax.Array:
