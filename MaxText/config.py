@@ -235,6 +235,13 @@ class Config(BaseModel):
         """The mesh axes that stay inside one fast domain (no dcn factor: NVLink inside a rack)."""
         return [axis for axis, dcn in zip(MESH_AXES, self.dcn_parallelism(), strict=True) if dcn == 1]
 
+    def vocab_axes(self) -> tuple[str, ...]:
+        """``vocab_parallel_axes``; an unresolved ``auto`` (see ``with_platform``) means the axes
+        inside the fast domain: the group's tokens move over them, the weights' rows over the others."""
+        if self.vocab_parallel_axes == "auto":
+            return tuple(self.fast_domain_axes())
+        return tuple(self.vocab_parallel_axes)
+
     def with_platform(self, platform: str) -> Config:
         """Resolve hardware-dependent values (``dtype``, ``vocab_parallel_axes``: auto) once the JAX
         platform is known. The vocabulary split's token traffic belongs on a GPU's NVLink; between

@@ -16,8 +16,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from MaxText.aot.hlo_stats import group_axes, hlo_stats, replica_groups
 from MaxText.moe.expert_parallel import exchange_plan
-from MaxText.train.hlo_stats import group_axes, hlo_stats, replica_groups
 from tests.conftest import make_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,11 +148,29 @@ def test_a_data_axis_keeps_the_embedding_lookup_sharded(capfd):
     """With data 2 x fsdp 2 x expert 2, a lookup into the table's sharded embed dim made XLA
     replicate the [B, S, D] result ("involuntary full rematerialization"); the lookup is split over
     the vocabulary instead, the tokens gathered to the rows."""
-    from MaxText.train.aot import compile_train_step
+    from MaxText.aot.compile import compile_train_step
 
     config = make_config(
         *("dtype=bfloat16", "base_num_decoder_layers=1", "first_num_dense_layers=1", "mtp_num_layers=0"),
         *("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_expert_parallelism=2"),
     ).with_platform("gpu")
-    compile_train_step(config, 8)
+    compile_train_step(config, jax.devices()[:8])
+    assert "Involuntary full rematerialization" not in capfd.readouterr().err
+
+
+def test_a_multi_rack_mesh_stores_the_vocabulary_split_as_it_is_read(capfd):
+    """Racks split data and fsdp, the vocabulary is split over the expert axis inside a rack (the
+    GB200 recipe's layout, scaled to 8 devices). Stored by the plain rules (embed dim over fsdp x
+    expert), the embedding and the head had to be resharded to the split's layout every step, and
+    XLA:SPMD replicated both whole on every device to do it ("involuntary full
+    rematerialization"); they are now stored by their vocabulary rows over the group."""
+    from MaxText.aot.compile import compile_train_step
+
+    config = make_config(
+        *("dtype=bfloat16", "base_num_decoder_layers=1", "first_num_dense_layers=1", "mtp_num_layers=0"),
+        *("dcn_data_parallelism=2", "dcn_fsdp_parallelism=2", "ici_expert_parallelism=2", "ici_fsdp_parallelism=1"),
+        "vocab_parallel_axes=[expert,tensor]",  # what auto resolves to on GPU for this mesh
+    )
+    report, _ = compile_train_step(config, jax.devices()[:8])
+    assert report.mesh == {"data": 2, "fsdp": 2, "expert": 2, "tensor": 1}
     assert "Involuntary full rematerialization" not in capfd.readouterr().err

@@ -169,21 +169,22 @@ def test_search_winner_is_legal_for_the_repository(v3):
         ("recipes/k8s/deepseek3-671b-gb300-nvl72.yaml", "gb300-nvl72"),
     ],
 )
-def test_recipes_run_the_planners_layout(v3, recipe, system):
-    """The 671B recipes' mesh, micro-batch and remat policy are the planner's winner for their
-    system and GPU count, for this repository's stack (no pipelining)."""
+def test_recipes_run_a_layout_the_planner_ranks_near_its_best(recipe, system):
+    """The 671B recipes' layouts (mesh, micro-batch, remat) fit and come within 5% of the planner's
+    best layout for their system and GPU count (this repository's stack, no pipelining, the
+    recipe's own model: MTP on). The planner's top layouts lie closer together than its accuracy
+    (calibration: 15%), so a recipe keeps a layout whose XLA:GPU compile is measured
+    (recipes/README.md) rather than following every reordering of near-equal layouts."""
     from tools.aot_compile import read_recipe
 
-    args, gpus = read_recipe(ROOT / recipe)
-    config = load_config(args)
-    winner = search(v3, SYSTEMS[system], TE, gpus, config.per_device_batch_size * gpus).ranked[0]
-    planned = config.model_copy(update=winner.layout.overlay())
-    assert mesh_shape(config, gpus) == mesh_shape(planned, gpus), winner.layout.describe()
-    assert (config.remat_policy, config.per_device_batch_size, config.gradient_accumulation_steps) == (
-        planned.remat_policy,
-        planned.per_device_batch_size,
-        planned.gradient_accumulation_steps,
-    )
+    args, gpus = read_recipe(ROOT / recipe)[:2]
+    config = load_config(args).with_platform("gpu")
+    spec, hardware = from_config(config), SYSTEMS[system]
+    layout = plan._layout_from_config(config, gpus, config.remat_policy, None)
+    ours = estimate(spec, layout, hardware, TE)
+    best = search(spec, hardware, TE, gpus, layout.gbs).ranked[0]
+    assert ours.fits, ours.memory
+    assert ours.tflops >= 0.95 * best.tflops, (layout.describe(), best.layout.describe())
 
 
 # ---------------------------------------------------------------- command line

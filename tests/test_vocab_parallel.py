@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from MaxText.config import load_config
-from MaxText.layers.vocab_parallel import configured_axes, embed_lookup, head_nll_sum, vocab_group
+from MaxText.layers.vocab_parallel import embed_lookup, head_nll_sum, vocab_group
 from tests.conftest import make_config
 
 RULES = (("activation_batch", ("data", "fsdp", "expert")),)
@@ -80,6 +80,6 @@ def test_auto_takes_the_axes_inside_the_fast_domain_on_gpu():
     dcn factor: the GB200 recipe's racks split fsdp and data, leaving expert); CPU processes
     exchange over gloo and keep the plain computation."""
     config = load_config(["ici_expert_parallelism=4", "dcn_fsdp_parallelism=2"])
-    assert configured_axes(config.with_platform("gpu")) == ("data", "expert", "tensor")
-    assert configured_axes(config.with_platform("cpu")) == ()
-    assert configured_axes(make_config("vocab_parallel_axes=[fsdp]")) == ("fsdp",)
+    assert config.with_platform("gpu").vocab_axes() == ("data", "expert", "tensor")
+    assert config.with_platform("cpu").vocab_axes() == ()
+    assert make_config("vocab_parallel_axes=[fsdp]").vocab_axes() == ("fsdp",)

@@ -9,11 +9,13 @@ mask and a document mask from the segment ids (a key is visible when its id equa
   reference; memory O(S^2) (8.6 GB per sequence per layer at H 128, S 4096, again in backward).
 - ``flash``: blockwise online softmax in pure JAX with a hand-written backward
   (``flash_attention.py``); memory O(S x block); portable (CPU, GPU, TPU).
-- ``cudnn``: cuDNN's fused flash attention through ``jax.nn.dot_product_attention``. Its public
-  wrapper wants values as wide as keys, so values (or queries and keys) are zero-padded to the
-  wider head dim and the output sliced back (+50% value-matmul work at MLA's 192/128); documents
-  are a boolean [B, 1, S, T] mask (cuDNN turns it into a bias: O(S^2) per sequence, not per head).
-  GPU only, bfloat16/float16 only, head dim <= 256 and a multiple of 8 (Hopper+).
+- ``cudnn``: cuDNN's fused flash attention, called through JAX's cuDNN entry
+  (``jax._src.cudnn.fused_attention_stablehlo``), which takes MLA's unequal head dims (qk 192,
+  v 128; cuDNN >= 9.10 on Hopper and later): the public ``jax.nn.dot_product_attention`` wants
+  values as wide as keys, and zero-padding them costs +50% value-matmul work (1.2x the causal
+  attention FLOPs of the 671B, measured in its GPU compile). Documents are a boolean [B, 1, S, T]
+  mask (cuDNN turns it into a bias: O(S^2) per sequence, not per head). GPU only, bfloat16/float16
+  only, head dims <= 256 and multiples of 8.
 - ``te``: Transformer Engine's fused attention (cuDNN underneath) in its packed THD layout: the
   documents of a row become cuDNN's variable-length segments, so no mask is materialised and
   qk/v head dims may differ. The segment count per row is a static shape,
@@ -38,12 +40,16 @@ from MaxText.config import Config, ConfigError
 from MaxText.layers.common import float32_or_wider, import_error
 from MaxText.layers.flash_attention import flash_attention
 from MaxText.layers.rotary import softmax_scale
+from MaxText.parallel.platform import GPU_PLATFORMS, trace_platform
 
 # From this length dot's scores start to cost memory (H x 4 MB at 1,024 in float32); below it dot's
 # one program is small, and flash's blocks would cover most of the sequence.
 FLASH_MIN_LENGTH = 1024
-GPU_PLATFORMS = ("gpu", "cuda")
 HALF_DTYPES = ("bfloat16", "float16")
+
+# Every backend runs under this name (JAX's op names carry it): the ahead-of-time compile counts
+# the attention core's FLOPs by it.
+ATTENTION_SCOPE = "attention_core"
 
 # An attention backend: (q [B,S,H,K], k [B,T,H,K], v [B,T,H,V], segment ids [B,S], config) -> [B,S,H,V].
 AttentionBackend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Config], jax.Array]
@@ -93,20 +99,24 @@ def _flash(q_BSHK, k_BTHK, v_BTHV, segment_ids_BS, config: Config) -> jax.Array:
 
 
 def _cudnn(q_BSHK, k_BTHK, v_BTHV, segment_ids_BS, config: Config, implementation: str = "cudnn") -> jax.Array:
-    """``implementation="xla"`` runs the same call through XLA, which is how CPU tests check the arguments."""
+    """cuDNN flash attention with the causal flag, the document mask and the softmax scale.
+    ``implementation="xla"`` runs the same arguments through ``jax.nn.dot_product_attention``'s XLA
+    path (values zero-padded to the keys' width, the output sliced back), which is how CPU tests
+    check them; the GPU compile checks the cuDNN call itself (tests/test_aot_gpu.py)."""
+    mask_BHST, scale = _same_document(segment_ids_BS), softmax_scale(config)
+    if implementation == "cudnn":
+        from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+        return dot_product_attention(
+            q_BSHK, k_BTHK, v_BTHV, mask=mask_BHST, scale=scale, mask_type=MaskType.CAUSAL, qkv_layout="BTNH"
+        )
     width = max(q_BSHK.shape[-1], v_BTHV.shape[-1])
 
     def widen(x):  # zero dims add nothing to q.k and give outputs that are sliced off
         return jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
 
     out_BSHW = jax.nn.dot_product_attention(
-        widen(q_BSHK),
-        widen(k_BTHK),
-        widen(v_BTHV),
-        mask=_same_document(segment_ids_BS),
-        scale=softmax_scale(config),
-        is_causal=True,
-        implementation=implementation,
+        widen(q_BSHK), widen(k_BTHK), widen(v_BTHV), mask=mask_BHST, scale=scale, is_causal=True, implementation="xla"
     )
     return out_BSHW[..., : v_BTHV.shape[-1]]
 
@@ -154,13 +164,15 @@ def transformer_engine_attention_error() -> str | None:
     return import_error("transformer_engine.jax.attention")
 
 
-def resolve_attention(config: Config, seq_len: int, platform: str | None = None) -> str:
-    """The backend the ``attention`` key names for this length and platform (default: JAX's backend)."""
+def resolve_attention(config: Config, seq_len: int, platform: str | None = None, te: bool | None = None) -> str:
+    """The backend the ``attention`` key names for this length and platform (default: the traced-for
+    one); ``te`` says whether Transformer Engine is available (None: whether it imports)."""
     if config.attention != "auto":
         return config.attention
-    platform = platform or jax.default_backend()
+    platform = platform or trace_platform()
     if platform in GPU_PLATFORMS and config.dtype in HALF_DTYPES:
-        return "te" if transformer_engine_attention_error() is None else "cudnn"
+        te = transformer_engine_attention_error() is None if te is None else te
+        return "te" if te else "cudnn"
     return "flash" if seq_len >= FLASH_MIN_LENGTH else "dot"
 
 
@@ -196,5 +208,6 @@ def check_attention(config: Config, platform: str, seq_len: int | None = None) -
 def attend(q_BSHK, k_BTHK, v_BTHV, segment_ids_BS, config: Config) -> jax.Array:
     """Causal, document-masked softmax attention [B, S, H, V] by the backend ``attention`` picks."""
     seq_len = q_BSHK.shape[1]
-    check_attention(config, jax.default_backend(), seq_len)
-    return BACKENDS[resolve_attention(config, seq_len)](q_BSHK, k_BTHK, v_BTHV, segment_ids_BS, config)
+    check_attention(config, trace_platform(), seq_len)
+    with jax.named_scope(ATTENTION_SCOPE):
+        return BACKENDS[resolve_attention(config, seq_len)](q_BSHK, k_BTHK, v_BTHV, segment_ids_BS, config)

@@ -24,7 +24,6 @@ Shape legend: B batch, S sequence, D model dim, V vocabulary; lower case = one d
 (b = B / batch shards, v = V / n, s = S / chunks).
 """
 
-import itertools
 import math
 from collections.abc import Callable, Sequence
 
@@ -32,17 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from MaxText.config import Config
 from MaxText.layers.common import constrain, float32_or_wider
-from MaxText.parallel.sharding import batch_mesh_axes
-
-
-def configured_axes(config: Config) -> tuple[str, ...]:
-    """``vocab_parallel_axes``; an unresolved ``auto`` (see ``Config.with_platform``) means the
-    axes inside the fast domain: the group's tokens move over them, the weights' rows over the others."""
-    if config.vocab_parallel_axes == "auto":
-        return tuple(config.fast_domain_axes())
-    return tuple(config.vocab_parallel_axes)
+from MaxText.parallel.sharding import batch_mesh_axes, vocabulary_group
 
 
 def split_batch_axes() -> tuple[str, ...]:
@@ -52,18 +42,9 @@ def split_batch_axes() -> tuple[str, ...]:
 
 
 def vocab_group(vocab_size: int, axes: Sequence[str]) -> tuple[str, ...]:
-    """The axes to split the vocabulary over: of ``axes`` that are batch axes, the largest product
-    that divides it (all of them where possible: given data 8 x fsdp 2 x expert 64, 129,280 rows
-    split 128 ways, over fsdp x expert, not 1,024)."""
+    """The group the current mesh splits the vocabulary over (``sharding.vocabulary_group``)."""
     mesh = jax.sharding.get_abstract_mesh()
-    candidates = [a for a in split_batch_axes() if a in axes]
-    best, best_ways = (), 1
-    for r in range(len(candidates), 0, -1):
-        for group in itertools.combinations(candidates, r):
-            ways = math.prod(mesh.shape[a] for a in group)
-            if vocab_size % ways == 0 and ways > best_ways:
-                best, best_ways = group, ways
-    return best
+    return vocabulary_group(vocab_size, axes, batch_mesh_axes(), dict(mesh.shape)) if not mesh.empty else ()
 
 
 def _split(batch_size: int, vocab_size: int, axes: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]] | None:

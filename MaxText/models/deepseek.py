@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from MaxText.config import Config
 from MaxText.layers.common import activation_dtype, constrain, kernel_init, param, weight_dtype
 from MaxText.layers.norms import RMSNorm
-from MaxText.layers.vocab_parallel import configured_axes, embed_lookup, head_logits
+from MaxText.layers.vocab_parallel import embed_lookup, head_logits
 from MaxText.models.decoder import ACTIVATION_AXES, LayerStack
 from MaxText.models.mtp import MTPModule
 
@@ -60,7 +60,7 @@ class DeepSeekV3(nn.Module):
             # lookup into the table's sharded embed dim would have to move the [B, S, D] result
             # from embed-sharded to batch-sharded, which XLA can only do by replicating it.
             return constrain(
-                embed_lookup(embedding_VD, ids_BS, activation_dtype(c), c.vocab_chunks, configured_axes(c)),
+                embed_lookup(embedding_VD, ids_BS, activation_dtype(c), c.vocab_chunks, c.vocab_axes()),
                 ACTIVATION_AXES,
             )
 

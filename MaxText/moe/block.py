@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from MaxText.config import Config
 from MaxText.layers.common import activation_dtype, constrain, float32_or_wider, kernel_init, param, weight_dtype
 from MaxText.layers.mlp import SwiGLU
+from MaxText.moe.expert_parallel import WI_AXES, WO_AXES
 from MaxText.moe.experts import routed_experts
 from MaxText.moe.router import Routing, route, sequence_balance_loss, tokens_per_expert
 from MaxText.parallel.sharding import batch_mesh_axes
@@ -66,9 +67,9 @@ class MoEBlock(nn.Module):
         routing = route_token_shards(logits_BSE.reshape(B * S, E), bias.value, c)
 
         # Dropless routed experts (dispatch, grouped SwiGLU, weighted combine) by the chosen backend.
-        wi_0 = param(self, "wi_0", c, (E, D, F), ("exp", "embed", "mlp"))
-        wi_1 = param(self, "wi_1", c, (E, D, F), ("exp", "embed", "mlp"))
-        wo = param(self, "wo", c, (E, F, D), ("exp", "mlp", "embed"))
+        wi_0 = param(self, "wi_0", c, (E, D, F), WI_AXES)
+        wi_1 = param(self, "wi_1", c, (E, D, F), WI_AXES)
+        wo = param(self, "wo", c, (E, F, D), WO_AXES)
         x_TD = x_BSD.reshape(B * S, D)
         y_TD = routed_experts(x_TD, routing.experts_TK, routing.weights_TK, wi_0, wi_1, wo, c)
         y_BSD = y_TD.reshape(B, S, D)

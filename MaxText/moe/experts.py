@@ -5,10 +5,15 @@ layout (the copies sorted by expert, each expert padded to the smallest block fo
 built once per MoE block by the same gather that sorts. Backends built on a grouped matmul compose
 three of them; ``blocked`` fuses the whole SwiGLU into one loop over blocks.
 
-- ``blocked``: blocks of halving sizes and one loop of dense per-block SwiGLUs (ours; portable; CPU default).
-- ``ragged_dot``: XLA's grouped matmul over the sorted, unpadded layout (GPU/TPU).
+- ``blocked``: blocks of halving sizes and one loop of dense per-block SwiGLUs (ours; portable;
+  the default on CPU, and on GPU without Transformer Engine).
+- ``ragged_dot``: XLA's grouped matmul over the sorted, unpadded layout. A real grouped matmul
+  on TPU; XLA:GPU (jaxlib 0.10.2) rewrites it into one dense matmul over every local expert
+  (the rows masked per expert), so it does ``E_local`` x the expert FLOPs there (4x on the 671B
+  at 64-way expert parallelism, measured in its GPU compile: ``tools/aot_compile.py --target``).
 - ``te``: Transformer Engine's grouped GEMM (GPU; imported only when chosen).
-- ``auto``: ``te`` on GPU when it imports, else ``ragged_dot`` on GPU/TPU, else ``blocked``.
+- ``auto``: ``te`` on GPU when it imports, else ``blocked`` on GPU, ``ragged_dot`` on TPU,
+  ``blocked`` on CPU.
 
 ``capacity_factor > 0`` replaces all of them with the token-dropping baseline (``capacity.py``).
 With an expert mesh axis larger than 1, the backend runs per device on that device's experts, and
@@ -31,6 +36,11 @@ from MaxText.moe.capacity import capacity_experts
 from MaxText.moe.dispatch import BlockLayout, block_layout, combine, combine_blocks, in_rounds, sort_copies, to_blocks
 from MaxText.moe.expert_parallel import expert_axis, expert_parallel_experts
 from MaxText.moe.te_exchange import ALIGN_ROWS
+from MaxText.parallel.platform import GPU_PLATFORMS, trace_platform
+
+# The routed experts run under this name (JAX's op names carry it, the exchange included): the
+# ahead-of-time compile counts their FLOPs by it.
+EXPERTS_SCOPE = "routed_experts"
 
 # A grouped matmul: rows of the layout times their expert's weight, [P, I] x [E, I, O] -> [P, O].
 GroupedMatmul = Callable[[jax.Array, jax.Array, BlockLayout], jax.Array]
@@ -107,26 +117,30 @@ def transformer_engine_error() -> str | None:
     return import_error("transformer_engine.jax")
 
 
-def _resolve_auto(name: str, platform: str | None, accelerator_choice: str, cpu_choice: str) -> str:
-    """``auto`` becomes Transformer Engine on GPU when it imports, else ``accelerator_choice`` on
-    GPU/TPU, else ``cpu_choice`` (platform default: JAX's current backend)."""
+def _resolve_auto(
+    name: str, platform: str | None, te: bool | None, gpu_choice: str, tpu_choice: str, cpu_choice: str
+) -> str:
+    """``auto`` becomes Transformer Engine on GPU when it is available (``te``; None: when it
+    imports), else the platform's choice (platform default: the one the trace is for)."""
     if name != "auto":
         return name
-    platform = platform or jax.default_backend()
-    if platform in ("gpu", "cuda") and transformer_engine_error() is None:
-        return "te"
-    return accelerator_choice if platform in ("gpu", "cuda", "rocm", "tpu") else cpu_choice
+    platform = platform or trace_platform()
+    if platform in GPU_PLATFORMS:
+        te = transformer_engine_error() is None if te is None else te
+        return "te" if te else gpu_choice
+    return tpu_choice if platform == "tpu" else cpu_choice
 
 
-def resolve_backend(name: str, platform: str | None = None) -> str:
-    """The grouped-matmul backend ``moe_matmul`` names: ``auto`` is te, else ragged_dot, else blocked."""
-    return _resolve_auto(name, platform, "ragged_dot", "blocked")
+def resolve_backend(name: str, platform: str | None = None, te: bool | None = None) -> str:
+    """The grouped-matmul backend ``moe_matmul`` names: ``auto`` is te on GPU, else blocked
+    (XLA:GPU expands ragged_dot densely over the experts), ragged_dot on TPU, blocked on CPU."""
+    return _resolve_auto(name, platform, te, "blocked", "ragged_dot", "blocked")
 
 
-def resolve_exchange(name: str, platform: str | None = None) -> str:
+def resolve_exchange(name: str, platform: str | None = None, te: bool | None = None) -> str:
     """The expert-parallel exchange ``moe_ep_comm`` names: ``auto`` is Transformer Engine's NCCL EP,
-    else exact-size ragged_all_to_all, else allgather."""
-    return _resolve_auto(name, platform, "ragged_all_to_all", "allgather")
+    else exact-size ragged_all_to_all on GPU/TPU, else allgather."""
+    return _resolve_auto(name, platform, te, "ragged_all_to_all", "ragged_all_to_all", "allgather")
 
 
 def check_backend(config: Config, platform: str) -> None:
@@ -181,6 +195,11 @@ def routed_experts(
     """``sum_k weights[t, k] * SwiGLU_{experts[t, k]}(x[t])`` for every token: [T, D] -> [T, D].
 
     Dropless unless ``capacity_factor > 0`` asks for the token-dropping baseline."""
+    with jax.named_scope(EXPERTS_SCOPE):
+        return _routed_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config)
+
+
+def _routed_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config: Config) -> jax.Array:
     if config.capacity_factor > 0:
         return combine(capacity_experts(x_TD, experts_TK, wi_0, wi_1, wo, config.capacity_factor), weights_TK)
     backend = resolve_backend(config.moe_matmul)

@@ -5,7 +5,9 @@ constrains activations by logical name; this module is the only place that maps 
 onto mesh axes.
 """
 
+import itertools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -32,6 +34,36 @@ def batch_mesh_axes() -> tuple[str, ...]:
         return ()
     axes = nn.logical_to_mesh_axes(("activation_batch",))[0]
     return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def vocabulary_group(
+    vocab_size: int, axes: Sequence[str], batch_axes: Sequence[str], axis_sizes: dict[str, int]
+) -> tuple[str, ...]:
+    """The mesh axes the embedding and the output head are split over by vocabulary rows
+    (``layers/vocab_parallel.py``): of ``axes`` that split the batch (size > 1), the largest
+    product that divides ``vocab_size`` (given data 8 x fsdp 2 x expert 64, 129,280 rows split
+    128 ways, over fsdp x expert, not 1,024). () where none does."""
+    candidates = [a for a in batch_axes if a in axes and axis_sizes.get(a, 1) > 1]
+    best, best_ways = (), 1
+    for r in range(len(candidates), 0, -1):
+        for group in itertools.combinations(candidates, r):
+            ways = math.prod(axis_sizes[a] for a in group)
+            if vocab_size % ways == 0 and ways > best_ways:
+                best, best_ways = group, ways
+    return best
+
+
+def parameter_rules(config: Config, axis_sizes: dict[str, int]) -> Rules:
+    """The rules parameters are stored by: the config's, led by the vocabulary split's group when
+    there is one, so that the embedding and the head are held as the split reads them, their rows
+    over the group (and their embed dim over the FSDP axes left). Stored by the plain rules instead
+    (embed dim over fsdp x expert), XLA:SPMD could not reshard them to the split's layout and
+    replicated both on every device each step ("involuntary full rematerialization")."""
+    rules = axis_rules(config)
+    batch_axes = dict(rules).get("activation_batch")
+    batch_axes = () if batch_axes is None else (batch_axes,) if isinstance(batch_axes, str) else batch_axes
+    group = vocabulary_group(config.vocab_size, config.vocab_axes(), batch_axes, axis_sizes)
+    return ((("vocab", group if len(group) > 1 else group[0]),) if group else ()) + rules
 
 
 def logical_to_shardings(boxed_tree: Any, mesh: Mesh, config: Config) -> Any:
@@ -74,7 +106,7 @@ def parameter_specs(boxed_tree: Any, axis_sizes: dict[str, int], config: Config)
     """A PartitionSpec per boxed leaf (``parameter_mesh_axes``). Needs only the mesh's axis sizes,
     so a cluster layout can be checked without its devices; a split that cannot divide raises a
     ConfigError naming the parameter (JAX would refuse it later, with a less helpful message)."""
-    rules = axis_rules(config)
+    rules = parameter_rules(config, axis_sizes)
     is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
 
     def spec(path, box):

@@ -12,11 +12,24 @@ bandwidth terms of the standard algorithms (latency terms are negligible at thes
 - pipeline sends: each micro-batch crosses each virtual stage boundary forward and backward.
 - tensor parallelism (sequence parallel): an all-gather before and a reduce-scatter after attention
   and each FFN, forward and backward (experts spread over the tensor ranks skip the FFN pair).
+- the vocabulary split (``layers/vocab_parallel.py``, this repository's sharded stack): the embedding
+  and the output head are not gathered; over a group of ``n`` GPUs each lookup reduce-scatters its
+  rows and its backward gathers their gradients (bfloat16), each head gathers the hidden states
+  (again when ``vocab_chunks`` > 1 recomputes it) and reduce-scatters their gradient (float32), once
+  for the main model and once per MTP depth: ``(n-1) t D`` elements per GPU each. The group is what
+  ``vocab_parallel_axes: auto`` takes on GPU, the batch axes inside a domain, for every layout
+  costed (measured: 45 GB per step at n = 64 for the 671B, XLA:GPU's compile).
 
-Passes: dispatch and combine run forward and backward (4 exchanges per MoE layer), 6 with ``full``
-remat (the forward is rerun). Sharded state (FSDP) gathers the weights forward and backward and
-scatters the gradients on every micro-batch; Megatron's distributed optimizer does so once per
-step. Gathers move bf16 weights; gradients move in fp32.
+Passes: dispatch and combine run forward and backward (4 exchanges per MoE layer); with ``full``
+remat Megatron's recompute reruns both (6). This repository's exchange rematerialises its rounds
+whatever ``remat_policy`` says, and XLA reruns only the dispatch, the rerun combine's output being
+unused: 5 (XLA:GPU's compile of the 671B has 5 x 58 + 4 ragged-all-to-alls, with full and with
+minimal remat). Sharded state (FSDP) gathers the
+weights forward and backward and scatters the gradients on every micro-batch; Megatron's
+distributed optimizer does so once per step. Gathers move bf16 weights. Megatron reduces fp32
+main gradients; the sharded step reduces the gradients of its bf16 weight copies in bf16 (the
+cotangent's dtype, converted to fp32 after the reduction: XLA:GPU's reduce-scatters and
+all-reduces of them are bf16).
 """
 
 from __future__ import annotations
@@ -24,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from MaxText.planner.constants import ACTIVATION_BYTES, COLLECTIVE_EFFICIENCY, Stack
-from MaxText.planner.layout import Layout
+from MaxText.planner.layout import MESH_AXES, Layout
 from MaxText.planner.model import ModelSpec
 from MaxText.planner.systems import System
 
@@ -35,7 +48,7 @@ WEIGHT_BYTES = 2
 @dataclass(frozen=True)
 class Collective:
     name: str
-    kind: str  # dispatch | tensor | fsdp | dp | pipeline: how it overlaps (estimate.py)
+    kind: str  # dispatch | tensor | vocab | fsdp | dp | pipeline: how it overlaps (estimate.py)
     bytes_nvlink: float  # per GPU per step
     bytes_network: float
     seconds: float
@@ -53,10 +66,26 @@ def _gather(
     )
 
 
+def vocab_group_size(spec: ModelSpec, layout: Layout) -> int:
+    """GPUs in the vocabulary split's group under ``layout``: of the configured axes, the batch axes
+    without a dcn part whose product divides the vocabulary (1: no split)."""
+    if spec.config is None:
+        return 1
+    from MaxText.parallel.sharding import axis_rules, vocabulary_group
+
+    batch = dict(axis_rules(spec.config)).get("activation_batch") or ()
+    batch = (batch,) if isinstance(batch, str) else batch
+    fast = [a for a in spec.config.vocab_axes() if layout.dcn.get(a, 1) == 1]
+    group = vocabulary_group(spec.vocab, fast, batch, {a: layout.size(a) for a in MESH_AXES})
+    return layout.size(*group) if group else 1
+
+
 def collectives(spec: ModelSpec, layout: Layout, system: System, stack: Stack) -> list[Collective]:
     out: list[Collective] = []
     tokens = layout.gbs * spec.seq_len / layout.num_gpus  # per GPU per step
-    passes = 6 if layout.remat == "full" else 4
+    sharded = stack.state == "sharded"
+    passes = 5 if sharded else 6 if layout.remat == "full" else 4
+    grad_bytes = ACTIVATION_BYTES if sharded else GRAD_BYTES
     D, K, ep = spec.d_model, spec.top_k, layout.ep
     in_domain = layout.local(*layout.ep_axes)
     eff = stack.dispatch_efficiency
@@ -73,18 +102,30 @@ def collectives(spec: ModelSpec, layout: Layout, system: System, stack: Stack) -
 
     dense_full = spec.params_dense / (layout.tp * layout.pp)  # a replica's dense weights on one GPU
     expert_full = spec.params_expert / layout.expert_shards
-    if stack.state == "sharded":
+    n = vocab_group_size(spec, layout) if sharded else 1
+    if n > 1:  # the embedding and the head stay split: their tokens move instead (over NVLink)
+        dense_full -= 2 * spec.vocab * D / (layout.tp * layout.pp)
+        c = spec.config
+        heads = 1 + c.mtp_num_layers
+        elements = heads * (n - 1) * tokens * D  # per lookup or head pass
+        head_passes = 2 if c.vocab_chunks > 1 else 1
+        sent = elements * (2 * ACTIVATION_BYTES + head_passes * ACTIVATION_BYTES + GRAD_BYTES)
+        out.append(
+            Collective("vocabulary split", "vocab", sent, 0.0, sent / (system.nvlink_bw * COLLECTIVE_EFFICIENCY))
+        )
+    if sharded:
         m = layout.microbatches
-        for name, P, axes in (("dense", dense_full, ("fsdp", "expert")), ("expert", expert_full, ("fsdp",))):
-            if layout.size(*axes) > 1:
-                nvl, net, s = _gather(P * WEIGHT_BYTES, layout, axes, system, 2 * m)
-                nvl2, net2, s2 = _gather(P * GRAD_BYTES, layout, axes, system, m)
-                out.append(
-                    Collective(f"fsdp {name} all-gather + reduce-scatter", "fsdp", nvl + nvl2, net + net2, s + s2)
-                )
+        if layout.size("fsdp", "expert") > 1:  # dense weights: gathered forward and backward, gradients scattered
+            nvl, net, s = _gather(dense_full * WEIGHT_BYTES, layout, ("fsdp", "expert"), system, 2 * m)
+            nvl2, net2, s2 = _gather(dense_full * grad_bytes, layout, ("fsdp", "expert"), system, m)
+            out.append(Collective("fsdp dense all-gather + reduce-scatter", "fsdp", nvl + nvl2, net + net2, s + s2))
+        if layout.size("fsdp") > 1:  # routed experts: gathered over fsdp forward and backward, gradients scattered
+            nvl, net, s = _gather(expert_full * WEIGHT_BYTES, layout, ("fsdp",), system, 2 * m)
+            nvl2, net2, s2 = _gather(expert_full * grad_bytes, layout, ("fsdp",), system, m)
+            out.append(Collective("fsdp expert all-gather + reduce-scatter", "fsdp", nvl + nvl2, net + net2, s + s2))
         if layout.size("data") > 1:  # gradients of the fsdp-sharded state, once per step
             shard = dense_full / layout.size("fsdp", "expert") + expert_full / layout.size("fsdp")
-            nvl, net, s = _gather(shard * GRAD_BYTES, layout, ("data",), system, 2)
+            nvl, net, s = _gather(shard * grad_bytes, layout, ("data",), system, 2)
             out.append(Collective("data-parallel all-reduce", "dp", nvl, net, s))
     else:
         for name, P, axes in (

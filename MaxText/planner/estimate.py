@@ -2,6 +2,7 @@
 
     compute  = GEMMs + elementwise + host                       (compute.py)
     exposed  = tensor-parallel collectives                       (on the critical path)
+             + the vocabulary split's token traffic              (likewise: XLA:GPU hid 25% of it)
              + dispatch x (1 - dispatch_overlap)
              + pipeline sends x (1 - dispatch_overlap)
              + max(0, fsdp - fsdp_overlap x compute)             (gathers hide behind other layers)
@@ -121,12 +122,13 @@ def _time(spec: ModelSpec, layout: Layout, system: System, stack: Stack, precisi
     compute = sum(math.values())
     comms = collectives(spec, layout, system, stack)
     by_kind = {
-        k: sum(c.seconds for c in comms if c.kind == k) for k in ("dispatch", "tensor", "fsdp", "dp", "pipeline")
+        k: sum(c.seconds for c in comms if c.kind == k)
+        for k in ("dispatch", "tensor", "vocab", "fsdp", "dp", "pipeline")
     }
     m = layout.microbatches
     exposed = {
         "dispatch": by_kind["dispatch"] * (1 - stack.dispatch_overlap),
-        "tensor": by_kind["tensor"],
+        "tensor": by_kind["tensor"] + by_kind["vocab"],
         "pipeline": by_kind["pipeline"] * (1 - stack.dispatch_overlap),
         "fsdp": max(0.0, by_kind["fsdp"] - stack.fsdp_overlap * compute),
         "dp": max(0.0, by_kind["dp"] - stack.dp_overlap * compute / m),

@@ -13,8 +13,12 @@ Activations. Tokens per GPU per micro-batch ``t = mbs * S / tensor``. ``none`` k
 ``minimal`` the matmul outputs, ``full`` each layer's input plus one layer's working set. With
 pipelining the first stage holds ``pp * (1 + (pp - 1) / (pp * vpp))`` micro-batches of its
 ``1/pp`` of the layers (Narayanan et al. 2021, interleaved 1F1B). Without pipelining the fp32
-logits and their gradient are added (with it, the last stage holds them but fewer micro-batches). Buffers: the dispatch/combine receive buffers and, for sharded
-state, two layers of gathered weights (one computing, one prefetched).
+logits and their gradient are added, one ``vocab_chunks`` slice of the sequence at a time (with
+pipelining the last stage holds them but fewer micro-batches). Buffers: for this repository's
+sharded stacks, one MoE layer's exchange buffers and expert layout as ``moe/expert_parallel.py``
+sizes them (``moe_working_bytes``: 9.4 GB per GPU on the GB200 recipe, where XLA:GPU's compile
+held 11.8 GB of them at its peak); for Megatron's, the dispatch/combine receive buffers; and, for
+sharded state, two layers of gathered weights (one computing, one prefetched).
 """
 
 from __future__ import annotations
@@ -59,12 +63,12 @@ def _boxed_leaves(config_json: str) -> tuple[tuple[tuple[str | None, ...], tuple
 def sharded_state_bytes(spec: ModelSpec, layout: Layout) -> float:
     """Bytes of weights, gradients and Adam moments per GPU under the repository's sharding rules."""
     from MaxText.config import ConfigError
-    from MaxText.parallel.sharding import axis_rules, parameter_mesh_axes
+    from MaxText.parallel.sharding import parameter_mesh_axes, parameter_rules
 
     axis_sizes = {a: layout.size(a) for a in MESH_AXES}
     if spec.config is None:  # no repository model: split everything over every axis but data
         return 16.0 * spec.params / (layout.num_gpus // layout.size("data"))
-    rules = axis_rules(spec.config)
+    rules = parameter_rules(spec.config, axis_sizes)
     total = 0.0
     for names, shape, itemsize, trainable in _boxed_leaves(
         architecture(spec.config, keep_length=False).model_dump_json()
@@ -102,14 +106,22 @@ def activation_bytes(spec: ModelSpec, layout: Layout) -> float:
         kept = (spec.act_minimal if layout.remat == "minimal" else spec.act_selective) * in_flight
     else:
         kept = spec.d_model * spec.layers * in_flight + spec.act_layer
-    logits = t * spec.vocab * 4 * 2 if pp == 1 else 0.0  # the last stage holds fewer micro-batches
+    chunks = spec.config.vocab_chunks if spec.config is not None else 1  # one slice of the sequence at a time
+    logits = t * spec.vocab * 4 * 2 / chunks if pp == 1 else 0.0  # the last stage holds fewer micro-batches
     return t * kept * ACTIVATION_BYTES + logits
 
 
 def buffer_bytes(spec: ModelSpec, layout: Layout, stack: Stack, exchange_buffer_factor: float) -> float:
     t = layout.mbs * spec.seq_len / layout.tp
     D, K = spec.d_model, spec.top_k
-    if stack.exchange == "allgather":
+    if stack.state == "sharded" and spec.config is not None and layout.ep > 1:
+        # this repository's exchange and expert layout, as its own accounting sizes them
+        from MaxText.moe.expert_parallel import moe_working_bytes
+
+        config = spec.config.model_copy(update={"moe_ep_buffer_factor": exchange_buffer_factor, "dtype": "bfloat16"})
+        name = "allgather" if stack.exchange == "allgather" else "ragged_all_to_all"
+        exchange = moe_working_bytes(config, int(t), layout.ep, name)
+    elif stack.exchange == "allgather":
         exchange = 2 * t * layout.ep * D * ACTIVATION_BYTES
     else:
         exchange = 2 * exchange_buffer_factor * t * min(K, layout.ep) * D * ACTIVATION_BYTES

@@ -60,9 +60,15 @@ class ModelSpec:
 
 def _moe_act(D: int, E: int, K: int, F: int, shared_F: int) -> tuple[int, int, int]:
     """(none, minimal, selective) elements per token of an MoE FFN: norm, router, dispatched
-    copies, expert gate/up/product, expert outputs, shared expert."""
+    copies, expert gate/up/product, expert outputs, shared expert. ``minimal`` (JAX's
+    ``dots_with_no_batch_dims_saveable``) keeps matmul outputs, but the routed experts' matmuls
+    run inside the exchange's rematerialised rounds and the blocked backend's own VJP, which the
+    policy does not reach: only the router's logits and the shared expert's gate and up projections
+    stay (counting the routed experts' put the GB300 recipe at 230 GB, where XLA:GPU's compile holds
+    152 GB)."""
     none = D + 2 * E + K * D + 3 * K * F + K * D + 3 * shared_F
-    return none, none - D - K * F - shared_F, none - D - K * F - shared_F
+    minimal = E + 2 * shared_F
+    return none, minimal, none - D - K * F - shared_F
 
 
 def _dense_act(D: int, F: int) -> tuple[int, int, int]:
@@ -100,7 +106,10 @@ def from_config(config: Config) -> ModelSpec:
     H, D = c.base_num_query_heads, c.emb_dim
     attn_none = D + c.q_lora_rank + H * c.qk_head_dim + c.kv_lora_rank + c.qk_rope_head_dim
     attn_none += H * (c.qk_nope_head_dim + c.v_head_dim) + H * c.qk_head_dim + 2 * H * c.v_head_dim
-    attn_min = attn_none - D - c.q_lora_rank - c.kv_lora_rank  # norm outputs are recomputed
+    # minimal keeps matmul outputs only: the latents, q, the keys' and values' up-projection, the
+    # output projection (the rotary key's concatenation and cuDNN's output are not matmuls)
+    attn_min = c.q_lora_rank + H * c.qk_head_dim + c.kv_lora_rank + c.qk_rope_head_dim
+    attn_min += H * (c.qk_nope_head_dim + c.v_head_dim) + D
     attn_sel = c.q_lora_rank + c.kv_lora_rank + c.qk_rope_head_dim + H * c.v_head_dim  # latents, attention output
     moe_none, moe_min, moe_sel = _moe_act(D, E, K, c.base_moe_mlp_dim, c.shared_experts * c.base_moe_mlp_dim)
     dense_none, dense_min, dense_sel = _dense_act(D, c.base_mlp_dim)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from MaxText.config import Config
-from MaxText.layers.vocab_parallel import configured_axes, head_nll_sum
+from MaxText.layers.vocab_parallel import head_nll_sum
 from MaxText.models.deepseek import DeepSeekV3, shift_left
 from MaxText.moe.block import BIAS, LOAD, LOSS
 from MaxText.moe.capacity import capacity
@@ -86,9 +86,7 @@ def compute_loss(
         mutable=[LOAD, LOSS],
     )
     targets_BS, segments_BS = batch["targets"], batch["targets_segmentation"]
-    nll_sum = partial(
-        head_nll_sum, head_DV=params["output_head"], chunks=config.vocab_chunks, axes=configured_axes(config)
-    )
+    nll_sum = partial(head_nll_sum, head_DV=params["output_head"], chunks=config.vocab_chunks, axes=config.vocab_axes())
     lm_loss = nll_sum(normed_BSD, targets_BS=targets_BS, weights_BS=(segments_BS != 0).astype(jnp.float32))
     lm_loss /= jnp.maximum(counts.lm, 1)
 

@@ -85,8 +85,11 @@ def create_train_state(
 def abstract_train_state(
     model: DeepSeekV3, config: Config, optimizer: optax.GradientTransformation, mesh: Mesh
 ) -> TrainState:
-    """The train state as shapes, dtypes and shardings, nothing allocated: what a restore fills."""
-    with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)):
+    """The train state as shapes, dtypes and shardings, nothing allocated: what a restore fills.
+    Built under the mesh's abstract form, so that the few eager operations on the way (the
+    optimizer's step count, the key) run on the host's default device: the mesh may then be one of
+    compile-only devices (a GPU target compiled on a CPU host)."""
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(axis_rules(config)):
         shardings = _state_shardings(model, config, optimizer, mesh)
         shapes = jax.eval_shape(partial(_new_state, model, config, optimizer), jax.random.key(config.seed))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)

@@ -16,9 +16,19 @@ device pair overflows its slots), and a loop whose trip count is data-dependent 
 backend's loop over blocks) by a caller-supplied estimate (``dynamic_trips``).
 
 Collective bytes are the full buffer of each op per device: the result of an all-gather,
-all-reduce, all-to-all or collective-permute, the operand of a reduce-scatter. Replica groups
-(explicit ``{{0,1},{2,3}}`` or iota ``[G,S]<=[dims]T(perm)``) list partition ids, i.e. positions in
-the mesh's device order, so the mesh axes an op spans are those along which its group varies.
+all-reduce, all-to-all or collective-permute, the operand of a reduce-scatter, read from the
+synchronous form (XLA:CPU) or the asynchronous ``-start`` form (XLA:GPU, whose tuple pairs the
+operands with the results). A ``ragged-all-to-all``'s result is its whole receive buffer, of which
+a balanced routing fills a part. Replica groups (explicit ``{{0,1},{2,3}}``, iota
+``[G,S]<=[dims]T(perm)``, or a mesh ``mesh['a'=4,'b'=2] {'b'}`` over ``device_ids``) list
+partition ids, i.e. positions in the mesh's device order, so the mesh axes an op spans are those
+along which its group varies.
+
+Matmul FLOPs on GPU also sit in custom calls: cuDNN's fused attention (``__cudnn$fmha*``) counts
+as the matmuls a flash kernel runs, forward ``QK^T`` and ``PV``, backward ``QK^T`` again, ``dV``,
+``dP``, ``dQ``, ``dK``, over the causal half when its mask is causal (it skips the masked blocks).
+Other custom calls that look like matmuls (cuBLAS, cuDNN, GEMM) are listed by target
+(``uncounted``), not guessed.
 """
 
 from __future__ import annotations
@@ -45,13 +55,16 @@ DTYPE_BYTES = {
 }  # fmt: skip
 
 LARGEST = 12  # the biggest single collectives reported, with the JAX op each came from
-DynamicTrips = Callable[[set[int]], float]  # dims shared by a data-dependent loop's matmuls -> trip count
+# (dims every matmul of a data-dependent loop has, dims any of them has) -> the loop's trip count
+DynamicTrips = Callable[[set[int], set[int]], float]
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
 _SHAPE = re.compile(r"\b(pred|[sufc]\d+|bf16|f8e\w+)\[([\d,]*)\]")
-_CALLEE = re.compile(r"\b(to_apply|calls|body|condition)=%?([\w.\-]+)")
+CALLEE = re.compile(r"\b(to_apply|calls|body|condition)=%?([\w.\-]+)")
 _TRUE_FALSE = re.compile(r"\b(?:true|false)_computation=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+MATMUL_LIKE = re.compile(r"gemm|matmul|cublas|cudnn|conv|dot|fmha", re.I)  # custom calls that would do matmuls
 
 
 def shape_bytes(text: str) -> int:
@@ -61,7 +74,26 @@ def shape_bytes(text: str) -> int:
     )
 
 
-def _dims(text: str) -> list[int]:
+def tuple_elements(text: str) -> list[str]:
+    """The top-level elements of a tuple type ``(a, (b, c))`` -> ``["a", "(b, c)"]``; a non-tuple
+    type is its own single element."""
+    text = text.strip()
+    if not text.startswith("("):
+        return [text]
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 1:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    parts.append(text[start : len(text) - 1].strip())
+    return [re.sub(r"^/\*index=\d+\*/", "", p) for p in parts if p]
+
+
+def dims_of(text: str) -> list[int]:
     m = _SHAPE.search(text)
     return [int(x) for x in m.group(2).split(",") if x] if m else []
 
@@ -82,6 +114,8 @@ class HloStats:
     loops: list[tuple[str, int]] = field(default_factory=list)  # (while body, trip count)
     largest: list[tuple[str, float, str]] = field(default_factory=list)  # (kind, bytes, JAX op) of the biggest ops
     by_op: dict[str, float] = field(default_factory=dict)  # "kind of JAX primitive" ("all-gather of top_k") -> bytes
+    uncounted: dict[str, int] = field(default_factory=dict)  # custom-call target -> calls whose FLOPs are not counted
+    flops_by_scope: dict[str, float] = field(default_factory=dict)  # named scope -> its matmul FLOPs
 
 
 def parse_computations(text: str) -> dict[str, list[Instr]]:
@@ -123,8 +157,8 @@ def _dot_dims(name: str, comps: dict[str, list[Instr]], types: dict[str, str], s
     found = []
     for instr in comps.get(name, []):
         if instr.opcode in ("dot", "convolution"):
-            found.append({d for dims in _operand_shapes(instr, types) for d in dims} | set(_dims(instr.result)))
-        for _, callee in _CALLEE.findall(instr.rest):
+            found.append({d for dims in _operand_shapes(instr, types) for d in dims} | set(dims_of(instr.result)))
+        for _, callee in CALLEE.findall(instr.rest):
             found += _dot_dims(callee, comps, types, seen)
     return found
 
@@ -136,7 +170,7 @@ def _size(name: str, comps: dict[str, list[Instr]], seen=None) -> int:
         return 0
     seen.add(name)
     instrs = comps.get(name, [])
-    return len(instrs) + sum(_size(c, comps, seen) for i in instrs for _, c in _CALLEE.findall(i.rest))
+    return len(instrs) + sum(_size(c, comps, seen) for i in instrs for _, c in CALLEE.findall(i.rest))
 
 
 def multiplicities(
@@ -144,7 +178,7 @@ def multiplicities(
 ) -> tuple[dict[str, int], list[tuple[str, int]]]:
     """How many times each computation runs per step, and the (body, trip count) of every loop.
     A loop whose trip count is data-dependent gets ``dynamic_trips`` of the dims its matmuls
-    share (1 without it, as XLA counts)."""
+    share and have (1 without it, as XLA counts)."""
     mult: dict[str, int] = defaultdict(int)
     loops = []
 
@@ -154,13 +188,13 @@ def multiplicities(
         body = re.search(r"body=%?([\w.\-]+)", instr.rest).group(1)
         dims = _dot_dims(body, comps, types)
         common = set.intersection(*dims) if dims else set()
-        return dynamic_trips(common) if dynamic_trips and dims else 1
+        return dynamic_trips(common, set.union(*dims)) if dynamic_trips and dims else 1
 
     def visit(name: str, times: int) -> None:
         mult[name] += times
         for instr in comps.get(name, []):
             trips = trip_count(instr) if instr.opcode == "while" else 1
-            for key, callee in _CALLEE.findall(instr.rest):
+            for key, callee in CALLEE.findall(instr.rest):
                 visit(callee, times * (trips if key == "body" else 1))
                 if key == "body":
                     loops.append((callee, trips))
@@ -176,22 +210,58 @@ def multiplicities(
 def _operand_shapes(instr: Instr, types: dict[str, str]) -> list[list[int]]:
     """Operand dims, looked up by name (optimized HLO prints operands without their types)."""
     names = re.findall(r"%([\w.\-]+)", instr.rest.split(")")[0])
-    return [_dims(types.get(n, "")) for n in names]
+    return [dims_of(types.get(n, "")) for n in names]
 
 
-def _dot_flops(instr: Instr, types: dict[str, str]) -> float:
+def matmul_flops(instr: Instr, types: dict[str, str]) -> float:
     operands = _operand_shapes(instr, types)
     if instr.opcode == "dot":
         lhs = operands[0] if operands else []
         m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr.rest)
         contracted = math.prod(lhs[int(i)] for i in m.group(1).split(",") if i) if m else 1
-        return 2.0 * math.prod(_dims(instr.result)) * contracted
+        return 2.0 * math.prod(dims_of(instr.result)) * contracted
     # convolution: 2 x output elements x (kernel elements / output features)
     if len(operands) < 2:
         return 0.0
     kernel = operands[1]
-    out = _dims(instr.result)
+    out = dims_of(instr.result)
     return 2.0 * math.prod(out) * math.prod(kernel) / max(out[-1] if out else 1, 1)
+
+
+def _braced(text: str, start: int) -> str:
+    """The ``{...}`` group opening at ``text[start]``, braces inside it (layouts ``{3,2,1,0}``) matched."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start : i + 1]
+    return text[start:]
+
+
+def _fmha_flops(instr: Instr) -> float:
+    """cuDNN fused attention's matmul FLOPs, from its operand shapes (layout BTNH: batch, length,
+    heads, head dim for q, k and v, the first three operands)."""
+    key = "operand_layout_constraints="
+    start = instr.rest.find(key)
+    if start < 0:
+        return 0.0
+    shapes = _braced(instr.rest, start + len(key))
+    q, k, v = ([int(x) for x in dims.split(",") if x] for _, dims in _SHAPE.findall(shapes)[:3])
+    B, S, H, dqk = q
+    T, dv = k[1], v[3]
+    pairs = (
+        B * H * S * T * (S + 1) / (2 * S) if '"mask_type":"CAUSAL"' in instr.rest.replace(" ", "") else B * H * S * T
+    )
+    backward = _TARGET.search(instr.rest).group(1).endswith("Backward")
+    return 2.0 * pairs * ((3 * dqk + 2 * dv) if backward else (dqk + dv))
+
+
+def custom_call_flops(instr: Instr) -> float | None:
+    """Matmul FLOPs of a custom call this module knows, None for one it does not."""
+    target = _TARGET.search(instr.rest)
+    if target and target.group(1).startswith("__cudnn$fmha"):
+        return _fmha_flops(instr)
+    return None
 
 
 def replica_groups(rest: str) -> list[list[int]] | None:
@@ -202,11 +272,17 @@ def replica_groups(rest: str) -> list[list[int]] | None:
         if m.group(4):
             ids = ids.transpose([int(x) for x in m.group(4).split(",")])
         return ids.reshape(groups, size).tolist()
-    if m := re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest):  # mesh['a'=4,'b'=2] {'b'}
+    mesh = r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}"
+    if m := re.search(mesh, rest):  # mesh['a'=4,'b'=2] {'b'}, over the devices 0.. or a permutation of them
         axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
         names, dims = [a for a, _ in axes], [int(n) for _, n in axes]
-        grouped = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(2))]
-        ids = np.arange(math.prod(dims)).reshape(dims)
+        grouped = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(4))]
+        ids = np.arange(math.prod(dims))
+        if m.group(2):  # device_ids=([2,128]T(1,0)): an iota of that shape, transposed, flattened
+            ids = ids.reshape([int(x) for x in m.group(2).split(",")])
+            if m.group(3):
+                ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        ids = ids.reshape(dims)
         ids = ids.transpose([i for i in range(len(dims)) if i not in grouped] + grouped)
         return ids.reshape(-1, math.prod(dims[i] for i in grouped)).tolist()
     if m := re.search(r"replica_groups=\{(\{[\d,{} ]*\})\}", rest):
@@ -228,7 +304,31 @@ def group_axes(groups: list[list[int]] | None, mesh_shape: dict[str, int]) -> st
     return "+".join(n for n in names if n in varying) or "none"
 
 
-def hlo_stats(text: str, mesh_shape: dict[str, int], dynamic_trips: DynamicTrips | None = None) -> HloStats:
+def collective_bytes(instr: Instr, types: dict[str, str]) -> tuple[str, float] | None:
+    """(kind, bytes per device) of a collective (synchronous or the ``-start`` of an asynchronous
+    one), None for any other instruction."""
+    kind = instr.opcode.removesuffix("-start")
+    if kind not in COLLECTIVES or instr.opcode.endswith("-done"):
+        return None
+    if kind == "reduce-scatter":  # the operands, named before the first ')'
+        return kind, sum(shape_bytes(types.get(n, "")) for n in re.findall(r"%([\w.\-]+)", instr.rest.split(")")[0]))
+    parts = tuple_elements(instr.result)
+    if not instr.opcode.endswith("-start") or kind == "all-reduce" or len(parts) == 1:
+        return kind, shape_bytes(instr.result)
+    # async starts pair (operands, result): the result is last, a collective-permute's second
+    return kind, shape_bytes(parts[1] if kind == "collective-permute" else parts[-1])
+
+
+def op_name(instr: Instr) -> str:
+    m = re.search(r'op_name="([^"]*)"', instr.rest)
+    return m.group(1) if m else ""
+
+
+def hlo_stats(
+    text: str, mesh_shape: dict[str, int], dynamic_trips: DynamicTrips | None = None, scopes: tuple[str, ...] = ()
+) -> HloStats:
+    """FLOPs, collectives and loops of a compiled program; ``scopes`` names JAX named scopes
+    (carried in each op's name) whose matmul FLOPs are also reported apart."""
     comps = parse_computations(text)
     types = {i.name: i.result for instrs in comps.values() for i in instrs}
     mult, loops = multiplicities(comps, types, dynamic_trips)
@@ -237,34 +337,50 @@ def hlo_stats(text: str, mesh_shape: dict[str, int], dynamic_trips: DynamicTrips
     by_axes: dict[str, dict[str, float]] = {}
     largest: list[tuple[str, float, str]] = []
     by_op: dict[str, float] = {}
+    uncounted: dict[str, int] = {}
+    by_scope = dict.fromkeys(scopes, 0.0)
+    # XLA:CPU prints fused matmuls (and often their fusions) without an op name: they take the
+    # nearest caller's that has one (a loop's, for a flash attention block)
+    callers = {
+        callee: (comp, i) for comp, instrs in comps.items() for i in instrs for _, callee in CALLEE.findall(i.rest)
+    }
+
+    def caller_name(comp: str, depth: int = 0) -> str:
+        if comp not in callers or depth > 32:
+            return ""
+        parent, instr = callers[comp]
+        return op_name(instr) or caller_name(parent, depth + 1)
+
     for name, instrs in comps.items():
         times = mult.get(name, 0)
         if not times:
             continue
         for instr in instrs:
-            if instr.opcode in ("dot", "convolution"):
-                flops += times * _dot_flops(instr, types)
+            if instr.opcode in ("dot", "convolution", "custom-call"):
+                counted = matmul_flops(instr, types) if instr.opcode != "custom-call" else custom_call_flops(instr)
+                target = _TARGET.search(instr.rest)
+                key = target.group(1) if target else "?"
+                if counted is None and MATMUL_LIKE.search(key):
+                    uncounted[key] = uncounted.get(key, 0) + times
+                flops += times * (counted or 0.0)
+                where = op_name(instr) or caller_name(name)
+                for scope in scopes:
+                    if f"/{scope}/" in where:
+                        by_scope[scope] += times * (counted or 0.0)
                 continue
-            kind = instr.opcode.removesuffix("-start")
-            if kind not in COLLECTIVES:
+            found = collective_bytes(instr, types)
+            if found is None:
                 continue
-            if kind == "reduce-scatter":
-                nbytes = sum(
-                    shape_bytes(types.get(n, "")) for n in re.findall(r"%([\w.\-]+)", instr.rest.split(")")[0])
-                )
-            elif instr.opcode.endswith("-start") and instr.result.startswith("("):
-                nbytes = shape_bytes(instr.result) / 2  # (operand, result) pair of an async start
-            else:
-                nbytes = shape_bytes(instr.result)
+            kind, nbytes = found
             kinds[kind]["count"] += times
             kinds[kind]["bytes"] += times * nbytes
             key = f"{kind} over {group_axes(replica_groups(instr.rest), mesh_shape)}"
             entry = by_axes.setdefault(key, {"count": 0, "bytes": 0.0})
             entry["count"] += times
             entry["bytes"] += times * nbytes
-            op = re.search(r'op_name="([^"]*)"', instr.rest)
-            largest.append((kind, nbytes, op.group(1) if op else ""))
-            primitive = f"{kind} of {(op.group(1) if op else '?').rsplit('/', 1)[-1]}"
+            op = op_name(instr)
+            largest.append((kind, nbytes, op))
+            primitive = f"{kind} of {(op or '?').rsplit('/', 1)[-1]}"
             by_op[primitive] = by_op.get(primitive, 0.0) + times * nbytes
     largest = sorted(largest, key=lambda x: -x[1])[:LARGEST]
-    return HloStats(flops, kinds, by_axes, loops, largest, by_op)
+    return HloStats(flops, kinds, by_axes, loops, largest, by_op, uncounted, by_scope)

@@ -1,0 +1,303 @@
+"""Ahead-of-time compilation of the real train step for a cluster's mesh, nothing allocated.
+
+The training loop's own pieces (config loader, ``make_mesh``, ``abstract_train_state``,
+``jit_train_step``) are lowered from ``jax.ShapeDtypeStruct`` inputs carrying their shardings and
+compiled for N devices of one of two kinds:
+
+- simulated CPU devices (``--xla_force_host_platform_device_count=N``, set by
+  ``tools/aot_compile.py`` before JAX starts): XLA:CPU's figures, with the MoE and attention
+  choices XLA:CPU cannot run replaced by their CPU-legal equivalents (Transformer Engine and
+  ``ragged_dot`` by ``blocked``, the same FLOPs as per-block dense matmuls; ``te`` and
+  ``ragged_all_to_all`` exchanges by ``all_to_all``, the same slots moved whole; cuDNN attention by
+  ``flash``); bfloat16 collectives run in float32 there.
+- a GPU target's compile-only devices (``targets.py``; JAX's CUDA plugin, ``make gpu-compile-deps``):
+  XLA:GPU's own program for that GPU and the cluster's NVLink domains, its memory, the collectives
+  at the dtypes the GPU sends and the latency-hiding scheduler's placement of them
+  (``overlap.py``). ``auto`` keys resolve as on a GPU without Transformer Engine: TE's custom calls
+  ask the device for its properties while tracing, so an explicit ``te`` is refused.
+
+Either way ``memory_analysis()`` gives the arguments (state + batch), outputs, temporaries and
+code per device, and the optimized HLO gives FLOPs and every collective (``hlo_stats.py``, which
+also corrects for ``while`` loops, counted once by XLA's cost analysis).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from MaxText.aot.hlo_stats import hlo_stats
+from MaxText.aot.overlap import overlap
+from MaxText.aot.report import AotReport, Choices
+from MaxText.aot.targets import GpuTarget, answering_device_queries
+from MaxText.config import Config, ConfigError
+from MaxText.layers.attention_ops import ATTENTION_SCOPE, resolve_attention
+from MaxText.models.accounting import count_parameters, train_flops
+from MaxText.models.deepseek import DeepSeekV3
+from MaxText.moe.blocked import level_rows
+from MaxText.moe.experts import EXPERTS_SCOPE, moe_context, resolve_backend, resolve_exchange
+from MaxText.parallel.mesh import make_mesh
+from MaxText.parallel.platform import compiling_for
+from MaxText.parallel.sharding import axis_rules, batch_sharding
+from MaxText.train.optimizer import make_optimizer
+from MaxText.train.state import abstract_train_state
+from MaxText.train.step import jit_train_step
+
+BATCH_KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
+# XLA:CPU cannot run these; compile the nearest CPU-legal choice instead.
+CPU_BACKEND = {"te": "blocked", "ragged_dot": "blocked"}
+CPU_EXCHANGE = {"te": "all_to_all", "ragged_all_to_all": "all_to_all"}
+CPU_ATTENTION = {"te": "flash", "cudnn": "flash"}  # fused flash attention -> the blockwise JAX one
+# What a deviceless GPU compile can take instead of Transformer Engine, per key.
+INSTEAD_OF_TE = {
+    "moe_matmul": "blocked or ragged_dot",
+    "moe_ep_comm": "ragged_all_to_all, all_to_all or allgather",
+    "attention": "cudnn, flash or dot",
+}
+SCOPES = (EXPERTS_SCOPE, ATTENTION_SCOPE)
+
+
+def target_platform(config: Config) -> str:
+    return "cpu" if config.hardware == "cpu" else "gpu"
+
+
+def _with_choices(config: Config, choice: Choices) -> Config:
+    update = {
+        "moe_matmul": choice.backend_compiled,
+        "moe_ep_comm": choice.exchange_compiled,
+        "attention": choice.attention_compiled,
+    }
+    return config.model_copy(update=update)
+
+
+def for_cpu_compile(config: Config) -> tuple[Config, Choices]:
+    """The config compiled on simulated CPU devices: dtype for the target platform, MoE and
+    attention choices XLA:CPU can run."""
+    platform = target_platform(config)
+    config = config.with_platform(platform)
+    backend = resolve_backend(config.moe_matmul, platform)
+    exchange = resolve_exchange(config.moe_ep_comm, platform)
+    attention = resolve_attention(config, config.max_target_length, platform)
+    on_gpu = platform == "gpu"
+    choice = Choices(
+        backend_target="te if Transformer Engine imports, else blocked"
+        if on_gpu and config.moe_matmul == "auto"
+        else backend,
+        exchange_target="te if Transformer Engine imports, else ragged_all_to_all"
+        if on_gpu and config.moe_ep_comm == "auto"
+        else exchange,
+        backend_compiled=CPU_BACKEND.get(backend, backend),
+        exchange_compiled=CPU_EXCHANGE.get(exchange, exchange),
+        attention_target="te if Transformer Engine imports, else cudnn"
+        if on_gpu and config.attention == "auto" and attention in ("te", "cudnn")
+        else attention,
+        attention_compiled=CPU_ATTENTION.get(attention, attention),
+    )
+    return _with_choices(config, choice), choice
+
+
+def for_gpu_compile(config: Config) -> tuple[Config, Choices]:
+    """The config compiled for a GPU target: ``auto`` as on a GPU without Transformer Engine,
+    an explicit ``te`` refused (its custom calls need the device while tracing)."""
+    config = config.with_platform("gpu")
+    for key in INSTEAD_OF_TE:
+        if getattr(config, key) == "te":
+            raise ConfigError(
+                f"config key '{key}': te cannot be compiled for a GPU target without the GPU (Transformer "
+                f"Engine's custom calls query the device while tracing); compile {INSTEAD_OF_TE[key]} here"
+            )
+    backend = resolve_backend(config.moe_matmul, "gpu", te=False)
+    exchange = resolve_exchange(config.moe_ep_comm, "gpu", te=False)
+    attention = resolve_attention(config, config.max_target_length, "gpu", te=False)
+
+    def target(key: str, compiled: str) -> str:
+        return f"te if Transformer Engine imports, else {compiled}" if getattr(config, key) == "auto" else compiled
+
+    choice = Choices(
+        backend_target=target("moe_matmul", backend),
+        exchange_target=target("moe_ep_comm", exchange),
+        backend_compiled=backend,
+        exchange_compiled=exchange,
+        attention_target=target("attention", attention) if attention == "cudnn" else attention,
+        attention_compiled=attention,
+    )
+    return _with_choices(config, choice), choice
+
+
+def abstract_batch(config: Config, mesh) -> dict[str, jax.ShapeDtypeStruct]:
+    rows = config.global_batch_size(mesh.size)
+    sharding = batch_sharding(mesh, config)
+    return {k: jax.ShapeDtypeStruct((rows, config.max_target_length), jnp.int32, sharding=sharding) for k in BATCH_KEYS}
+
+
+def attention_factors(config: Config) -> tuple[float, float]:
+    """(without remat, with remat): the attention FLOPs the compiled backend runs per step,
+    relative to the accounting's causal count (forward QK^T and PV over the causal half, backward
+    twice that). ``dot`` computes every [S, S] score (2x); ``flash`` visits (n+1)/n of the causal
+    blocks (n query blocks, the diagonal ones whole) and its backward recomputes the scores (5
+    matmuls against autodiff's 4: 7/6); cuDNN's flash kernel runs forward ``qk + v`` and backward
+    ``3 qk + 2 v`` (scores recomputed; autodiff's ``2 qk + 2 v``) over the causal half. Remat
+    reruns the forward once more."""
+    if config.attention == "dot":
+        return 2.0, 2.0 * (1 + 1 / 3)
+    if config.attention == "cudnn":
+        qk, v = config.qk_head_dim, config.v_head_dim
+        backward = (3 * qk + 2 * v) / (qk + v)
+        return (1 + backward) / 3, (2 + backward) / 3
+    n = -(-config.max_target_length // config.attention_block_q)
+    return (n + 1) / n * 7 / 6, (n + 1) / n * 9 / 6
+
+
+def expected_step_flops(config: Config, tokens: int) -> dict[str, float]:
+    """FLOPs of ``tokens`` tokens: ``model`` (the accounting), ``compiled`` (what the program
+    should do: the accounting plus what remat recomputes and what its attention does), and the
+    expected FLOPs of the two named scopes, the routed experts at their dropless ideal
+    (6 x the K of E experts' weights per token) and the attention core.
+
+    Remat (``full`` or ``minimal``, as an upper bound) recomputes each scanned decoder layer's
+    forward inside the backward (+1/3 of its training FLOPs; the MTP module's layer is not
+    rematerialised); with ``vocab_chunks`` > 1 the loss recomputes every head's forward
+    (+1/3 of its training FLOPs)."""
+    counts = count_parameters(config)
+    flops = train_flops(config, counts)
+    head = 6 * counts.main["output_head"]
+    layers = flops.matmul - head
+    per_layer_attention = flops.attention / max(config.base_num_decoder_layers, 1)
+    remat = 1 + 1 / 3 if config.remat_policy != "none" else 1
+    plain, rematted = attention_factors(config)
+    attention = flops.attention * (rematted if remat > 1 else plain)
+    mtp_attention = config.mtp_num_layers * per_layer_attention * plain
+    main = layers * remat + attention
+    mtp = flops.mtp + mtp_attention - config.mtp_num_layers * per_layer_attention
+    if config.vocab_chunks > 1:
+        head += head / 3 * (1 + config.mtp_num_layers)
+    active = config.num_experts_per_tok / config.num_experts
+    experts = 6 * active * (counts.main["routed_experts"] * remat + counts.mtp_parts["routed_experts"])
+    return {
+        "model": float(flops.total) * tokens,
+        "compiled": (main + head + mtp) * tokens,
+        EXPERTS_SCOPE: experts * tokens,
+        ATTENTION_SCOPE: (attention + mtp_attention) * tokens,
+    }
+
+
+def balanced_block_trips(config: Config, tokens_per_device: int, ep: int) -> Callable[[set[int]], float]:
+    """Trip counts of the data-dependent loops: the blocked backend's per-level loop under
+    balanced routing (each local expert gets ``ep x T x K / E`` copies, cut into blocks of halving
+    sizes as ``expert_blocks`` does) and flash attention's causal loop over key blocks. A loop is
+    told apart by the dims all its matmuls share (block size and expert hidden dim, or key block
+    and head dim)."""
+    levels = level_rows(config.moe_block_rows, config.moe_min_block_rows)
+    copies = ep * tokens_per_device * config.num_experts_per_tok // config.num_experts
+    padded = -(-copies // levels[-1]) * levels[-1]
+    per_expert = [padded // levels[0]] + [(padded % levels[0]) // B % 2 for B in levels[1:]]
+    local_experts = config.num_experts // ep
+
+    # flash attention's inner loop visits the key blocks up to the diagonal: (n + 1) / 2 on average
+    flash_blocks = -(-config.max_target_length // config.attention_block_kv)
+    head_dims = {config.qk_head_dim, config.v_head_dim}
+
+    def trips(common: set[int], every: set[int]) -> float:
+        sizes = [B for B in levels if B in common]
+        if sizes and config.base_moe_mlp_dim in every:
+            return local_experts * per_expert[levels.index(max(sizes))]
+        if config.attention_block_kv in common and every & head_dims:
+            return (flash_blocks + 1) / 2
+        return 1
+
+    return trips
+
+
+def ragged_rows(config: Config, tokens_per_device: int, ep: int) -> int:
+    """The rows a ragged exchange moves per device under balanced routing: each token once to each
+    of up to ``min(K, ep)`` devices (out into the slots, and back into the packed layout)."""
+    return tokens_per_device * min(config.num_experts_per_tok, ep)
+
+
+def compile_train_step(config: Config, devices: list | None = None, target: GpuTarget | None = None):
+    """Lower and compile the train step for ``devices`` (default: every JAX device), which are a
+    GPU ``target``'s compile-only devices when one is given; return the report and the compiled
+    executable."""
+    if target is None:
+        return _compile(*for_cpu_compile(config), list(devices if devices is not None else jax.devices()), None)
+    with compiling_for("gpu"), answering_device_queries(target):  # the model is traced from here on
+        return _compile(*for_gpu_compile(config), list(devices), target)
+
+
+def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget | None):
+    mesh = make_mesh(config, devices)
+    model = DeepSeekV3(config)
+    optimizer = make_optimizer(config)
+    state = abstract_train_state(model, config, optimizer, mesh)
+    batch = abstract_batch(config, mesh)
+    state_shardings = jax.tree.map(lambda leaf: leaf.sharding, state)
+    step = jit_train_step(model, config, optimizer, state_shardings, batch_sharding(mesh, config))
+    tokens_per_device = config.micro_batch_size(len(devices)) * config.max_target_length // len(devices)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)), moe_context(config, mesh, tokens_per_device):
+        t0 = time.perf_counter()
+        lowered = step.lower(state, batch)
+        t1 = time.perf_counter()
+        compiled = lowered.compile()  # custom partitioning (cuDNN attention) calls back into Python here
+        t2 = time.perf_counter()
+    mem = compiled.memory_analysis()
+    memory = {
+        "arguments": mem.argument_size_in_bytes,
+        "outputs": mem.output_size_in_bytes,
+        "aliased": mem.alias_size_in_bytes,
+        "temp": mem.temp_size_in_bytes,
+        "code": mem.generated_code_size_in_bytes,
+    }
+    memory["total"] = memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temp"] + memory["code"]
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    ep = mesh.shape[expert_axis_name] if (expert_axis_name := _exp_axis(config)) else 1
+    block_trips = balanced_block_trips(config, tokens_per_device, ep)
+    text = compiled.as_text()
+    stats = hlo_stats(text, dict(mesh.shape), block_trips, SCOPES)
+    tokens = config.global_batch_size(len(devices)) * config.max_target_length
+    expected = {k: v / len(devices) for k, v in expected_step_flops(config, tokens).items()}
+    state_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
+    schedule = None
+    if target:
+        domain_size = len(devices) // int(target.topology(len(devices)).split("x")[0])
+        domain_of = np.array([d.id // domain_size for d in mesh.devices.flat])
+        rows = ragged_rows(config, tokens_per_device, ep)
+        schedule = overlap(text, target.hardware, domain_of, rows, block_trips).as_dict()
+    report = AotReport(
+        devices=len(devices),
+        target=target.name if target else "cpu",
+        topology=target.topology(len(devices)) if target else "",
+        mesh=dict(mesh.shape),
+        dtype=config.dtype,
+        choices=choice,
+        memory=memory,
+        xla_flops=float((cost or {}).get("flops", 0.0)),
+        dot_flops=stats.dot_flops,
+        model_flops=expected["model"],
+        expected_flops=expected["compiled"],
+        scope_flops={s: stats.flops_by_scope[s] for s in SCOPES},
+        scope_expected={s: expected[s] for s in SCOPES},
+        uncounted_calls=stats.uncounted,
+        collectives=stats.collectives,
+        collectives_by_axes=stats.by_axes,
+        loops=stats.loops,
+        largest_collectives=stats.largest,
+        collectives_by_op=stats.by_op,
+        state_bytes=state_bytes,
+        overlap=schedule,
+        lower_s=t1 - t0,
+        compile_s=t2 - t1,
+    )
+    return report, compiled
+
+
+def _exp_axis(config: Config) -> str | None:
+    """The expert-parallel axis: the first the rules map ``exp`` onto (``expert_parallel.expert_axis``)."""
+    axes = nn.logical_to_mesh_axes(("exp",), axis_rules(config))[0]
+    return axes if isinstance(axes, str) or axes is None else axes[0]

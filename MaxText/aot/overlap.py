@@ -1,0 +1,314 @@
+"""How much communication XLA:GPU's schedule hides behind computation, read from the scheduled HLO.
+
+XLA:GPU issues a collective as a ``-start`` / ``-done`` pair and its latency-hiding scheduler moves
+independent work between the two: that work runs while the collective moves its bytes. A pair
+with nothing between them is marked synchronous (``"is_sync":true``) and hides nothing. For every
+pair this module walks the schedule between start and done (and, for a start that a loop carries
+into its next iteration, from the top of the loop body to the done) and credits the collective
+with the time of the computation it passes:
+
+- a collective's time is its bytes over the links it crosses, by the planner's bandwidth terms
+  (``planner/comms.py``): all-gather and reduce-scatter hierarchically, ``(l-1)/l`` of the buffer
+  over NVLink and ``(r-1)/(r l)`` over the network for a group of ``l`` GPUs in each of ``r``
+  NVLink domains; all-reduce twice that; an all-to-all sends ``(n-1)/n`` of its buffer, the
+  share for other domains over the network, both at once; a ``ragged-all-to-all`` only the rows
+  balanced routing sends (``ragged_rows`` of its buffer's rows). Links run at the planner's
+  ``COLLECTIVE_EFFICIENCY``.
+- a computation's time is a roofline: its matmul FLOPs at the planner's dense GEMM efficiency of
+  the bfloat16 peak, or the bytes it reads and writes at the HBM bandwidth, whichever is longer;
+  a loop counts its body times its trip count.
+- collectives in flight at once share the computation between them evenly (each takes no more
+  than it still needs), so two transfers cannot both hide behind the same microsecond.
+
+The shares are estimates from a cost model, not measurements: XLA:GPU's own schedule decisions are
+real, the durations on both sides are modelled. Each collective is put in one category by where
+its op came from: the MoE block's expert-parallel ``shard_map`` (the expert exchange), the
+vocabulary split's ``shard_map`` (the ``routed_experts`` named scope marks the experts in op
+names), and otherwise by kind (all-gathers: FSDP weight gathers; reduce-scatters: FSDP gradient
+scatters; all-reduces: data-parallel gradient sums and statistics; other all-to-alls: reshards).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from MaxText.aot.hlo_stats import (
+    CALLEE,
+    DynamicTrips,
+    Instr,
+    collective_bytes,
+    custom_call_flops,
+    dims_of,
+    matmul_flops,
+    multiplicities,
+    op_name,
+    parse_computations,
+    replica_groups,
+    shape_bytes,
+    tuple_elements,
+)
+from MaxText.moe.expert_parallel import WEIGHTS_SCOPE
+from MaxText.planner.constants import COLLECTIVE_EFFICIENCY, GEMM_EFFICIENCY
+from MaxText.planner.systems import System
+
+CATEGORIES = (
+    "expert exchange",
+    "vocabulary split",
+    "FSDP weight gathers",
+    "FSDP gradient scatters",
+    "all-reduces",
+    "reshards",
+)
+# Instructions that launch no kernel: they move no bytes and take no time here.
+FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id"}
+
+
+def category(kind: str, name: str) -> str:
+    """A collective's category from its kind and JAX op name (a combined collective carries one of
+    its ops' names; XLA:GPU gives ragged-all-to-all none, and only the exchange uses it). Inside
+    the experts' ``shard_map`` an all-reduce other than the rounds' ``pmax`` sums the experts'
+    weight gradients over the token axes (their FSDP gather there, and its transpose, run under
+    the ``expert_weights`` scope), and inside the vocabulary split's the all-reduces sum
+    the weights' gradients over the axes outside the group (and a few softmax statistics):
+    gradient reductions, not token traffic."""
+    in_experts = "/routed_experts/shard_map" in name and f"/{WEIGHTS_SCOPE}/" not in name
+    if kind == "ragged-all-to-all" or (in_experts and (kind != "all-reduce" or name.endswith("pmax"))):
+        return "expert exchange"
+    if "shard_map" in name and "/moe/" not in name and kind != "all-reduce":
+        return "vocabulary split"
+    return {
+        "all-gather": "FSDP weight gathers",
+        "reduce-scatter": "FSDP gradient scatters",
+        "all-reduce": "all-reduces",  # gradient sums over data parallelism (and token axes), statistics
+    }.get(kind, "reshards")
+
+
+@dataclass
+class Share:
+    count: float = 0.0  # collectives per step
+    synchronous: float = 0.0  # of which XLA left nothing to overlap
+    bytes: float = 0.0  # buffer bytes per step
+    nvlink_bytes: float = 0.0  # bytes a GPU sends over NVLink per step (the planner's measure)
+    network_bytes: float = 0.0  # and over the scale-out network
+    seconds: float = 0.0  # modelled link time per step
+    hidden_seconds: float = 0.0  # of it, behind computation
+
+    @property
+    def hidden(self) -> float:
+        """The share of communication time hidden behind computation."""
+        return self.hidden_seconds / self.seconds if self.seconds else 1.0
+
+
+@dataclass
+class OverlapReport:
+    shares: dict[str, Share] = field(default_factory=dict)
+    compute_seconds: float = 0.0  # the step's modelled computation time
+    step_seconds: float = 0.0  # computation plus the communication left exposed
+
+    @property
+    def total(self) -> Share:
+        total = Share()
+        for s in self.shares.values():
+            for k in ("count", "synchronous", "bytes", "nvlink_bytes", "network_bytes", "seconds", "hidden_seconds"):
+                setattr(total, k, getattr(total, k) + getattr(s, k))
+        return total
+
+    def as_dict(self) -> dict:
+        return {
+            "shares": {k: {**asdict(v), "hidden": v.hidden} for k, v in self.shares.items()},
+            "hidden": self.total.hidden,
+            "compute_seconds": self.compute_seconds,
+            "step_seconds": self.step_seconds,
+        }
+
+
+class _CostModel:
+    def __init__(self, comps, types, trips, system: System, domain_of: np.ndarray, ragged_rows: int | None):
+        self.comps, self.types, self.trips = comps, types, trips
+        self.flops_per_s = system.peak_flops("bf16") * GEMM_EFFICIENCY["dense"]["bf16"]
+        self.hbm = system.hbm_bw
+        self.nvlink, self.network = system.nvlink_bw * COLLECTIVE_EFFICIENCY, system.scaleout_bw * COLLECTIVE_EFFICIENCY
+        self.domain_of, self.ragged_rows = domain_of, ragged_rows
+        self._flops: dict[str, float] = {}
+        self._seconds: dict[str, float] = {}
+
+    def flops(self, comp: str) -> float:
+        """Matmul FLOPs of one run of a computation and what it calls (loops times their trips)."""
+        if comp not in self._flops:
+            self._flops[comp] = 0.0  # a cycle guard
+            self._flops[comp] = sum(self.instr_flops(i) for i in self.comps.get(comp, []))
+        return self._flops[comp]
+
+    def instr_flops(self, instr: Instr) -> float:
+        if instr.opcode in ("dot", "convolution"):
+            return matmul_flops(instr, self.types)
+        if instr.opcode == "custom-call":
+            return custom_call_flops(instr) or 0.0
+        if instr.opcode == "while":
+            body = re.search(r"body=%?([\w.\-]+)", instr.rest).group(1)
+            return self.trips.get(body, 1) * self.flops(body)
+        return sum(self.flops(c) for key, c in CALLEE.findall(instr.rest) if key in ("calls", "to_apply"))
+
+    def seconds(self, instr: Instr) -> float:
+        """Modelled time of one top-level instruction of a scheduled computation."""
+        if instr.opcode in FREE or instr.opcode.endswith("-done") or collective_bytes(instr, self.types):
+            return 0.0
+        if instr.opcode == "while":
+            body = re.search(r"body=%?([\w.\-]+)", instr.rest).group(1)
+            return self.trips.get(body, 1) * self.computation_seconds(body)
+        if instr.opcode in ("call", "conditional"):
+            called = [c for _, c in CALLEE.findall(instr.rest)] + re.findall(
+                r"(?:true|false)_computation=%?([\w.\-]+)", instr.rest
+            )
+            if m := re.search(r"branch_computations=\{([^}]*)\}", instr.rest):
+                called += re.findall(r"%?([\w.\-]+)", m.group(1))
+            times = [self.computation_seconds(c) for c in called]
+            return min(times) if instr.opcode == "conditional" and times else sum(times)
+        names = re.findall(r"%([\w.\-]+)", instr.rest.split(")")[0])
+        operands = [shape_bytes(self.types.get(n, "")) for n in names]
+        called = [c for key, c in CALLEE.findall(instr.rest) if key == "calls"]
+        body = self.comps.get(called[0], []) if instr.opcode == "fusion" and called else [instr]
+        read = [_bytes_read(body, i, size) for i, size in enumerate(operands)]
+        if body and body[-1].opcode == "dynamic-update-slice":  # writes its update in place
+            moved = 2 * (sum(read) - max(read))
+        else:
+            moved = shape_bytes(instr.result) + sum(read)
+        return max(self.instr_flops(instr) / self.flops_per_s, moved / self.hbm)
+
+    def computation_seconds(self, comp: str) -> float:
+        if comp not in self._seconds:
+            self._seconds[comp] = 0.0
+            self._seconds[comp] = sum(self.seconds(i) for i in self.comps.get(comp, []))
+        return self._seconds[comp]
+
+    def link(
+        self, kind: str, nbytes: float, groups: list[list[int]] | None, rows: int = 0
+    ) -> tuple[float, float, float]:
+        """(NVLink bytes, network bytes, seconds) one GPU spends on a collective (``rows``: a
+        ragged-all-to-all's buffer rows, of which it moves ``ragged_rows``)."""
+        group = groups[0] if groups else list(range(len(self.domain_of)))
+        n = len(group)
+        if n <= 1:
+            return 0.0, 0.0, 0.0
+        r = len(set(self.domain_of[np.asarray(group)].tolist()))
+        local = n // r
+        if kind in ("all-to-all", "ragged-all-to-all"):  # both links at once
+            if kind == "ragged-all-to-all" and self.ragged_rows and rows:
+                nbytes *= min(1.0, self.ragged_rows / rows)
+            sent = nbytes
+            nvl, net = sent * (local - 1) / n, sent * (n - local) / n
+            return nvl, net, max(nvl / self.nvlink, net / self.network)
+        if kind == "collective-permute":
+            nvl, net = (0.0, nbytes) if r > 1 else (nbytes, 0.0)
+        else:  # hierarchical: inside each domain, then across domains; an all-reduce is both halves twice
+            times = 2 if kind == "all-reduce" else 1
+            nvl, net = times * nbytes * (local - 1) / local, times * nbytes * (r - 1) / (r * local)
+        return nvl, net, nvl / self.nvlink + net / self.network
+
+
+SLICING = ("dynamic-slice", "slice", "gather")
+
+
+def _bytes_read(body: list[Instr], index: int, size: float) -> float:
+    """Bytes a fused computation reads of its ``index``-th operand (``size`` bytes): only the
+    slices where slicing ops are its only users (a layer's slice of a scan's stacked weights)."""
+    if len(body) == 1:  # not a fusion: the instruction itself
+        return shape_bytes(body[0].result) if body[0].opcode in SLICING and index == 0 else size
+    param = next((i.name for i in body if i.opcode == "parameter" and re.match(rf"\s*{index}\)", i.rest)), None)
+    users = [i for i in body if param and re.search(rf"%{re.escape(param)}\b", i.rest.split(")")[0])]
+    if users and all(u.opcode in SLICING for u in users):
+        return min(size, sum(shape_bytes(u.result) for u in users))
+    return size
+
+
+def _walk(instrs: list[Instr], model: _CostModel, times: float, shares: dict[str, Share]) -> None:
+    """Stream one computation's schedule: each collective in flight takes an even part of each
+    instruction's time until its done; a start still in flight at the end (a loop carrying it to
+    the next iteration) keeps taking time from the top of the body until a done of its kind that
+    no start here feeds."""
+    starts = {i.name for i in instrs if i.opcode.endswith("-start")}
+    in_flight: dict[str, list] = {}  # start name -> [kind, category, link seconds, still to hide]
+
+    def spend(seconds: float, flights: dict[str, list]) -> None:
+        while seconds > 1e-15 and (needy := [f for f in flights.values() if f[3] > 0]):
+            part = seconds / len(needy)
+            for f in needy:
+                took = min(part, f[3])
+                f[3] -= took
+                seconds -= took
+
+    def land(flight: list) -> None:
+        share = shares.setdefault(flight[1], Share())
+        share.hidden_seconds += times * (flight[2] - flight[3])
+
+    for instr in instrs:
+        if instr.opcode.endswith("-done"):
+            source = re.findall(r"%([\w.\-]+)", instr.rest.split(")")[0])
+            if source and source[0] in in_flight:
+                land(in_flight.pop(source[0]))
+            continue
+        found = collective_bytes(instr, model.types)
+        if found is None:
+            spend(model.seconds(instr), in_flight)
+            continue
+        kind, nbytes = found
+        cat = category(kind, op_name(instr))
+        rows = dims_of(tuple_elements(instr.result)[-1])[:1] or [0]
+        nvl, net, link = model.link(kind, nbytes, replica_groups(instr.rest), rows[0])
+        share = shares.setdefault(cat, Share())
+        share.count += times
+        share.bytes += times * nbytes
+        share.nvlink_bytes += times * nvl
+        share.network_bytes += times * net
+        share.seconds += times * link
+        if not instr.opcode.endswith("-start") or '"is_sync":true' in instr.rest:
+            share.synchronous += times
+            continue
+        in_flight[instr.name] = [kind, cat, link, link]
+    carried = list(in_flight.items())
+    for instr in instrs:  # the loop's next iteration, up to the dones of the carried starts
+        if not carried:
+            break
+        if instr.opcode.endswith("-done"):
+            source = re.findall(r"%([\w.\-]+)", instr.rest.split(")")[0])
+            kind = instr.opcode.removesuffix("-done")
+            match = next((c for c in carried if c[1][0] == kind), None)
+            if source and source[0] not in starts and match:
+                carried.remove(match)
+                land(match[1])
+            continue
+        if collective_bytes(instr, model.types) is None:
+            spend(model.seconds(instr), dict(carried))
+    for _, flight in carried:  # never matched: count what it got
+        land(flight)
+
+
+def overlap(
+    text: str,
+    system: System,
+    domain_of: np.ndarray,
+    ragged_rows: int | None = None,
+    dynamic_trips: DynamicTrips | None = None,
+) -> OverlapReport:
+    """The overlap of every asynchronous collective in a scheduled GPU program. ``domain_of[p]`` is
+    the NVLink domain of partition p (the mesh's p-th device); ``ragged_rows`` the rows a
+    ragged-all-to-all moves under balanced routing (None: its whole buffer)."""
+    comps = parse_computations(text)
+    types = {i.name: i.result for instrs in comps.values() for i in instrs}
+    mult, loops = multiplicities(comps, types, dynamic_trips)
+    trips: dict[str, float] = {}
+    for body, n in loops:
+        trips.setdefault(body, n)
+    model = _CostModel(comps, types, trips, system, domain_of, ragged_rows)
+    shares: dict[str, Share] = {c: Share() for c in CATEGORIES}
+    for name, instrs in comps.items():
+        if mult.get(name) and any(i.opcode.endswith("-start") or collective_bytes(i, types) for i in instrs):
+            _walk(instrs, model, mult[name], shares)
+    report = OverlapReport({k: v for k, v in shares.items() if v.count})
+    report.compute_seconds = model.computation_seconds("ENTRY")
+    exposed = report.total.seconds - report.total.hidden_seconds
+    report.step_seconds = report.compute_seconds + exposed
+    return report

@@ -1,0 +1,249 @@
+"""The train step compiled by XLA:GPU for GPU targets on this CPU-only machine (JAX's CUDA plugin,
+``make gpu-compile-deps``; ``make test`` installs it and passes its interpreter as
+``GPU_COMPILE_PYTHON``): the 671B architecture cut to 2 dense + 2 MoE layers and the MTP module on
+64 GB200 (one NVL72 rack: expert 16 x fsdp 4) with the GPU exchange, checked against parameter
+arithmetic, the FLOPs accounting (the routed experts at their dropless ideal, attention at its
+causal count), the HBM, and an asynchronous expert exchange; what ``auto`` picks and what it
+refuses; and the pieces that read XLA:GPU's HLO."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from MaxText.aot.hlo_stats import Instr, collective_bytes, custom_call_flops, replica_groups, tuple_elements
+from MaxText.aot.overlap import overlap
+from MaxText.aot.targets import TARGETS
+from MaxText.config import load_config
+from MaxText.models.accounting import memory_estimate
+from MaxText.planner.systems import SYSTEMS
+from tests.conftest import make_config
+
+ROOT = Path(__file__).resolve().parents[1]
+GB = 1e9
+GPU_PYTHON = os.environ.get("GPU_COMPILE_PYTHON", str(ROOT / ".venv-gpu-compile" / "bin" / "python"))
+
+ARCH_671B = [
+    "model_name=deepseek3-671b",
+    "base_num_decoder_layers=4",
+    "first_num_dense_layers=2",
+    "per_device_batch_size=1",
+    "max_target_length=4096",
+    "ici_expert_parallelism=16",  # expert 16 x fsdp 4: 64 GPUs, one NVL72 rack
+    "ici_fsdp_parallelism=4",
+]
+DEVICES = 64
+
+
+def aot(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """tools/aot_compile.py run by the interpreter that has the CUDA plugin (no skip without it:
+    the suite's make target installs it)."""
+    assert Path(GPU_PYTHON).exists(), f"{GPU_PYTHON} is missing: run `make gpu-compile-deps` (make test does)"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    command = [GPU_PYTHON, str(ROOT / "tools" / "aot_compile.py"), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def _json(out: subprocess.CompletedProcess) -> dict:
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def gb200_671b() -> dict:
+    """The recipes' XLA flags on (the latency-hiding scheduler and pipelined collectives)."""
+    recipe = "recipes/slurm/deepseek3-671b-gb200-nvl72.sbatch"
+    # The recipe's own arguments are overridden by the 4-layer architecture and one rack's mesh.
+    overrides = [*ARCH_671B, "ici_expert_parallelism=16", "dcn_data_parallelism=1", "dcn_fsdp_parallelism=1"]
+    return _json(aot("--recipe", recipe, "--target", "gb200", "--devices", str(DEVICES), "--json", *overrides))
+
+
+def test_671b_on_gb200_holds_the_state_and_fits(gb200_671b):
+    config = make_config(*ARCH_671B[1:], model="deepseek3-671b")
+    memory = memory_estimate(config)
+    batch = 5 * config.max_target_length * 4  # five int32 [1, S] rows per device
+    assert gb200_671b["memory"]["arguments"] == pytest.approx(
+        (memory.weights + memory.optimizer) / DEVICES + batch, rel=0.02
+    )
+    assert gb200_671b["memory"]["total"] < TARGETS["gb200"].hbm_bytes
+    assert gb200_671b["topology"] == "1x16x4"
+    assert gb200_671b["warnings"] == []  # no involuntary full rematerialisation
+
+
+def test_671b_on_gb200_runs_the_dropless_ideal_flops(gb200_671b):
+    """A grouped GEMM lowered as a dense one over the local experts (XLA:GPU's ragged_dot) would do
+    4x the routed experts' FLOPs here; attention with values widened to the keys' width 1.2x."""
+    r = gb200_671b
+    assert r["choices"]["backend_compiled"] == "blocked"
+    assert r["choices"]["attention_compiled"] == "cudnn"
+    assert r["dot_flops"] == pytest.approx(r["expected_flops"], rel=0.10)
+    for scope in ("routed_experts", "attention_core"):
+        assert r["scope_flops"][scope] == pytest.approx(r["scope_expected"][scope], rel=0.10), scope
+    assert r["uncounted_calls"] == {}
+
+
+def test_671b_on_gb200_exchanges_tokens_asynchronously(gb200_671b):
+    r = gb200_671b
+    assert r["choices"]["exchange_compiled"] == "ragged_all_to_all"
+    assert r["collectives"]["ragged-all-to-all"]["count"] > 0
+    exchange = r["overlap"]["shares"]["expert exchange"]
+    assert exchange["count"] > exchange["synchronous"]  # some of it runs as start/done pairs
+    assert 0 < r["overlap"]["hidden"] < 1
+    # bfloat16 tokens move as bfloat16 (XLA:CPU widens them to float32)
+    assert r["collectives_by_axes"]["ragged-all-to-all over expert"]["bytes"] > 0
+
+
+def test_transformer_engine_is_refused_for_a_gpu_target():
+    out = aot("model_name=deepseek3-tiny", "moe_matmul=te", "--devices", "8", "--target", "gb200")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith("error: config key 'moe_matmul': te cannot be compiled")
+
+
+def test_xla_gpu_lowers_ragged_dot_densely_over_the_local_experts():
+    """Why ``auto`` takes ``blocked`` on GPU without Transformer Engine: XLA:GPU runs ragged_dot as
+    one dense matmul over a GPU's local experts and the whole layout (``moe_ep_buffer_factor`` x
+    the balanced share of rows): the tiny model with 4 local experts per GPU does 4 x 2 = 8x the
+    routed experts' FLOPs (the 671B at expert 16: 32x)."""
+    args = ("model_name=deepseek3-tiny", "mtp_num_layers=0", "moe_matmul=ragged_dot", "ici_expert_parallelism=4")
+    r = _json(aot(*args, "ici_fsdp_parallelism=2", "--devices", "8", "--target", "gb200", "--json"))
+    ratio = r["scope_flops"]["routed_experts"] / r["scope_expected"]["routed_experts"]
+    local_experts, layout_factor = 16 // 4, 2.0
+    assert ratio == pytest.approx(local_experts * layout_factor, rel=0.10)
+
+
+# ---- reading XLA:GPU's HLO: hand-written instructions in the forms its printer uses ----
+
+
+def test_async_starts_count_their_result_not_the_operand_pair():
+    types = {"x": "bf16[56,1536]{1,0}", "y": "bf16[56,576]{1,0}"}
+    gather = Instr(
+        "ag",
+        "((bf16[56,1536]{1,0}, bf16[56,576]{1,0}), (bf16[7168,1536]{1,0}, bf16[7168,576]{1,0}))",
+        "all-gather-start",
+        "%x, %y), channel_id=1",
+    )
+    assert collective_bytes(gather, types) == ("all-gather", 2 * 7168 * (1536 + 576))
+    scatter = Instr("rs", "((f32[7168,256]{1,0}), f32[56,256]{1,0})", "reduce-scatter-start", "%g), channel_id=2")
+    assert collective_bytes(scatter, {"g": "f32[7168,256]{1,0}"}) == ("reduce-scatter", 4 * 7168 * 256)
+    ragged = Instr(
+        "r", "((bf16[9,8]{1,0}, bf16[20,8]{1,0}, s64[4]{0}), bf16[20,8]{1,0})", "ragged-all-to-all-start", ""
+    )
+    assert collective_bytes(ragged, {}) == ("ragged-all-to-all", 2 * 20 * 8)
+    assert collective_bytes(Instr("d", "bf16[20,8]{1,0}", "all-gather-done", "%ag)"), {}) is None
+    assert tuple_elements("(a[1]{0}, (b[2]{0}, c[3]{0}))") == ["a[1]{0}", "(b[2]{0}, c[3]{0})"]
+
+
+def test_mesh_replica_groups_follow_their_device_ids():
+    """``mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}``: partition ids are an
+    iota of [2, 4] transposed, laid out as the mesh [4, 2]; groups run along axis_0."""
+    rest = "replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, dimensions={0}"
+    ids = [[0, 4], [1, 5], [2, 6], [3, 7]]  # the mesh [4, 2] of device ids
+    assert replica_groups(rest) == [[ids[i][j] for i in range(4)] for j in range(2)]
+
+
+def test_cudnn_attention_counts_the_flash_kernels_causal_matmuls():
+    layouts = (
+        "operand_layout_constraints={bf16[2,64,4,24]{3,2,1,0}, bf16[2,64,4,24]{3,2,1,0}, bf16[2,64,4,16]{3,2,1,0}}"
+    )
+    config = '"cudnn_fmha_backend_config": {"mask_type": "CAUSAL"}'
+    forward = Instr(
+        "f",
+        "(bf16[2,4,64,16])",
+        "custom-call",
+        f'%q), custom_call_target="__cudnn$fmhaScaleBiasSoftmax", {layouts}, {config}',
+    )
+    backward = Instr(
+        "b",
+        "(bf16[2,4,64,24])",
+        "custom-call",
+        f'%q), custom_call_target="__cudnn$fmhaScaleBiasSoftmaxBackward", {layouts}, {config}',
+    )
+    pairs = 2 * 4 * 64 * 65 / 2  # batch x heads x the causal half of [64, 64] (the diagonal included)
+    assert custom_call_flops(forward) == 2 * pairs * (24 + 16)
+    assert custom_call_flops(backward) == 2 * pairs * (3 * 24 + 2 * 16)
+    assert custom_call_flops(Instr("s", "f32[1]", "custom-call", '%x), custom_call_target="__cub$sort"')) is None
+
+
+def test_overlap_credits_the_computation_between_start_and_done():
+    """A gather with a matmul scheduled between its start and done is hidden behind it; the same
+    gather with nothing between them (synchronous) hides nothing."""
+    system = SYSTEMS["gb200-nvl72"]
+    program = """HloModule m, is_scheduled=true
+
+%mm (a: bf16[4096,4096], b: bf16[4096,4096]) -> bf16[4096,4096] {
+  %a = bf16[4096,4096]{1,0} parameter(0)
+  %b = bf16[4096,4096]{1,0} parameter(1)
+  ROOT %d = bf16[4096,4096]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: bf16[1024,4096], w: bf16[4096,4096]) -> bf16[4096,4096] {
+  %x = bf16[1024,4096]{1,0} parameter(0)
+  %w = bf16[4096,4096]{1,0} parameter(1)
+  %s = (bf16[1024,4096]{1,0}, bf16[4096,4096]{1,0}) all-gather-start(%x), replica_groups=[1,4]<=[4], dimensions={0}, backend_config={"is_sync":SYNC}
+  %f = bf16[4096,4096]{1,0} fusion(%w, %w), kind=kCustom, calls=%mm
+  ROOT %g = bf16[4096,4096]{1,0} all-gather-done(%s)
+}
+"""
+    one_rack = np.zeros(4, int)
+    hidden = overlap(program.replace("SYNC", "false"), system, one_rack)
+    exposed = overlap(program.replace("SYNC", "true"), system, one_rack)
+    gathers = hidden.shares["FSDP weight gathers"]
+    assert gathers.count == 1 and gathers.bytes == 2 * 4096 * 4096
+    assert gathers.nvlink_bytes == 2 * 4096 * 4096 * 3 / 4 and gathers.network_bytes == 0
+    assert gathers.seconds == pytest.approx(gathers.nvlink_bytes / (system.nvlink_bw * 0.8))
+    assert gathers.hidden == 1.0  # a 137 GFLOP matmul takes far longer than 25 MB over NVLink
+    assert exposed.shares["FSDP weight gathers"].hidden == 0.0
+    assert exposed.shares["FSDP weight gathers"].synchronous == 1
+
+
+def test_a_layer_reads_its_slice_of_a_stack_and_writes_its_update_in_place():
+    """The roofline counts what a fused kernel touches: a layer's slice of the scan's stacked
+    weights, not the stack; and a dynamic-update-slice writes only its update."""
+    from MaxText.aot.overlap import _bytes_read
+
+    stack, row = 58 * 1024 * 4, 1024 * 4
+    sliced = [Instr("p", "f32[58,1024]", "parameter", "0), x"), Instr("d", "f32[1,1024]", "dynamic-slice", "%p, %i)")]
+    assert _bytes_read(sliced, 0, stack) == row
+    used_whole = [*sliced, Instr("e", "f32[58,1024]", "exponential", "%p)")]
+    assert _bytes_read(used_whole, 0, stack) == stack
+
+
+def test_link_bytes_split_between_nvlink_and_the_network():
+    """A gather over 4 GPUs in 2 racks of 2 moves 1/2 of the buffer over NVLink and 1/4 over the
+    network (hierarchically, as the planner's ``_gather``); an all-to-all over the same group sends
+    1/4 to the rack-mate and 1/2 to the other rack, on both links at once."""
+    from MaxText.aot.overlap import _CostModel
+
+    system = SYSTEMS["gb200-nvl72"]
+    model = _CostModel({}, {}, {}, system, np.array([0, 0, 1, 1]), ragged_rows=10)
+    B, nvlink, network = 1e9, system.nvlink_bw * 0.8, system.scaleout_bw * 0.8
+    assert model.link("all-gather", B, [[0, 1, 2, 3]]) == (B / 2, B / 4, B / 2 / nvlink + B / 4 / network)
+    assert model.link("all-reduce", B, [[0, 1, 2, 3]])[:2] == (B, B / 2)
+    assert model.link("all-to-all", B, [[0, 1, 2, 3]]) == (B / 4, B / 2, B / 2 / network)
+    assert model.link("ragged-all-to-all", B, [[0, 1, 2, 3]], rows=20)[:2] == (B / 8, B / 4)  # 10 of 20 rows
+    assert model.link("all-gather", B, [[0, 1], [2, 3]]) == (B / 2, 0.0, B / 2 / nvlink)
+
+
+def test_targets_describe_the_recipes_racks():
+    assert TARGETS["gb200"].topology(256) == "4x16x4"  # 4 racks of 16 trays of 4 GPUs
+    assert TARGETS["gb300"].topology(1024) == "16x16x4"
+    assert TARGETS["h100"].topology(64) == "8x1x8"  # HGX: an 8-GPU NVLink domain per host
+    text = TARGETS["gb300"].target_config((9, 28, 1))
+    assert "major: 10 minor: 3" in text and f"device_memory_size: {int(288 * GB)}" in text
+
+
+def test_auto_resolves_without_transformer_engine_for_a_gpu_target():
+    from MaxText.aot.compile import for_gpu_compile
+
+    config, choice = for_gpu_compile(load_config(["model_name=deepseek3-671b", "run_name=t"]))
+    assert (config.moe_matmul, config.moe_ep_comm, config.attention) == ("blocked", "ragged_all_to_all", "cudnn")
+    assert config.dtype == "bfloat16"
+    assert choice.backend_target == "te if Transformer Engine imports, else blocked"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__]))
