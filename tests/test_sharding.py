@@ -47,8 +47,8 @@ def _shardings(config):
 def test_parameters_land_on_their_mesh_axes():
     shardings = _shardings(make_config("ici_fsdp_parallelism=2", "ici_expert_parallelism=4"))
     moe = shardings["moe_layers"]["layers"]["moe"]
-    assert moe["wi_0"].spec == P(None, "expert", "fsdp", "tensor")  # [layers, exp, embed, mlp]
-    assert moe["wo"].spec == P(None, "expert", "tensor", "fsdp")  # [layers, exp, mlp, embed]
+    assert moe["wi_0"].spec == P(None, ("expert", "fsdp"), None, "tensor")  # [layers, exp, embed, mlp]
+    assert moe["wo"].spec == P(None, ("expert", "fsdp"), "tensor", None)  # [layers, exp, mlp, embed]
     assert shardings["token_embedding"].spec == P("tensor", ("fsdp", "expert"))  # [vocab, embed]
     # The MLA up-projections split their latent dim over fsdp x expert (32 / 8 divides) ...
     attention = shardings["moe_layers"]["layers"]["attention"]
@@ -57,6 +57,13 @@ def test_parameters_land_on_their_mesh_axes():
     # ... and over fsdp alone where fsdp x expert does not divide (kv_lora 36 / 8, 36 / 2 does).
     fallback = _shardings(make_config("ici_fsdp_parallelism=2", "ici_expert_parallelism=4", "kv_lora_rank=36"))
     assert fallback["moe_layers"]["layers"]["attention"]["wkv_b"].spec == P(None, "fsdp", "tensor", None)
+    # Split over the vocabulary, the embedding and the head are stored by rows over the group, as
+    # the split reads them (their embed dim over the FSDP axes left).
+    split = _shardings(
+        make_config("ici_fsdp_parallelism=2", "ici_expert_parallelism=4", "vocab_parallel_axes=[expert]")
+    )
+    assert split["token_embedding"].spec == P("expert", "fsdp")  # [vocab, embed]
+    assert split["output_head"].spec == P("fsdp", "expert")  # [embed, vocab]
 
 
 def test_divisibility_fallback_follows_rule_order():

@@ -1,7 +1,8 @@
 """Arguments that turn a 671B cluster recipe into deepseek3-tiny on two CPU processes, appended
 last (``MAXTEXT_ARGS``) so that they win over the recipe's own.
 
-Every mesh key is set, so whatever layout the recipe has never reaches the two processes. The
+Every mesh key is set, and the remat policy (the tiny model's own), so whatever layout the recipe
+has never reaches the two processes. The
 result is the very program ``recipes/slurm/smoke.sbatch`` compiles on two tasks (data parallelism,
 the same batch, sequence length, dtype and learning-rate schedule; only ``steps`` is shorter).
 XLA_FLAGS are part of JAX's compilation-cache key, and the 671B recipes set the GPU image's flags,
@@ -26,6 +27,7 @@ TINY_ON_TWO_CPUS = (
     "tokenizer_type=byte",
     "max_target_length=64",
     "per_device_batch_size=8",
+    "remat_policy=none",  # the tiny overlay's: the GB200 recipe sets minimal
     f"steps={STEPS}",
     f"learning_rate_schedule_steps={SMOKE_STEPS}",
     "log_period=1",
