@@ -41,6 +41,7 @@ from MaxText.layers.attention_ops import ATTENTION_SCOPE, resolve_attention
 from MaxText.models.accounting import count_parameters, train_flops
 from MaxText.models.deepseek import DeepSeekV3
 from MaxText.moe.blocked import level_rows
+from MaxText.moe.expert_parallel import expert_axis
 from MaxText.moe.experts import EXPERTS_SCOPE, moe_context, resolve_backend, resolve_exchange
 from MaxText.parallel.mesh import make_mesh
 from MaxText.parallel.platform import compiling_for
@@ -240,6 +241,7 @@ def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget |
     step = jit_train_step(model, config, optimizer, state_shardings, batch_sharding(mesh, config))
     tokens_per_device = config.micro_batch_size(len(devices)) * config.max_target_length // len(devices)
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)), moe_context(config, mesh, tokens_per_device):
+        ep = mesh.shape[axis] if (axis := expert_axis()) else 1
         t0 = time.perf_counter()
         lowered = step.lower(state, batch)
         t1 = time.perf_counter()
@@ -256,7 +258,6 @@ def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget |
     memory["total"] = memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temp"] + memory["code"]
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    ep = mesh.shape[expert_axis_name] if (expert_axis_name := _exp_axis(config)) else 1
     block_trips = balanced_block_trips(config, tokens_per_device, ep)
     text = compiled.as_text()
     stats = hlo_stats(text, dict(mesh.shape), block_trips, SCOPES)
@@ -295,9 +296,3 @@ def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget |
         compile_s=t2 - t1,
     )
     return report, compiled
-
-
-def _exp_axis(config: Config) -> str | None:
-    """The expert-parallel axis: the first the rules map ``exp`` onto (``expert_parallel.expert_axis``)."""
-    axes = nn.logical_to_mesh_axes(("exp",), axis_rules(config))[0]
-    return axes if isinstance(axes, str) or axes is None else axes[0]
