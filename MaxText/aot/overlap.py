@@ -3,9 +3,8 @@
 XLA:GPU issues a collective as a ``-start`` / ``-done`` pair and its latency-hiding scheduler moves
 independent work between the two: that work runs while the collective moves its bytes. A pair
 with nothing between them is marked synchronous (``"is_sync":true``) and hides nothing. For every
-pair this module walks the schedule between start and done (and, for a start that a loop carries
-into its next iteration, from the top of the loop body to the done) and credits the collective
-with the time of the computation it passes:
+pair this module walks the schedule between start and done and credits the collective with the
+time of the computation it passes:
 
 - a collective's time is its bytes over the links it crosses, by the planner's bandwidth terms
   (``planner/comms.py``): all-gather and reduce-scatter hierarchically, ``(l-1)/l`` of the buffer
@@ -226,23 +225,22 @@ def _bytes_read(body: list[Instr], index: int, size: float) -> float:
 
 def _walk(instrs: list[Instr], model: _CostModel, times: float, shares: dict[str, Share]) -> None:
     """Stream one computation's schedule: each collective in flight takes an even part of each
-    instruction's time until its done; a start still in flight at the end (a loop carrying it to
-    the next iteration) keeps taking time from the top of the body until a done of its kind that
-    no start here feeds."""
-    starts = {i.name for i in instrs if i.opcode.endswith("-start")}
-    in_flight: dict[str, list] = {}  # start name -> [kind, category, link seconds, still to hide]
+    instruction's time until its done (XLA:GPU's collective pipeliner moves whole start/done pairs
+    into the previous iteration: every done follows its start in the same computation in the
+    recipes' programs)."""
+    in_flight: dict[str, list] = {}  # start name -> [category, link seconds, still to hide]
 
     def spend(seconds: float, flights: dict[str, list]) -> None:
-        while seconds > 1e-15 and (needy := [f for f in flights.values() if f[3] > 0]):
+        while seconds > 1e-15 and (needy := [f for f in flights.values() if f[2] > 0]):
             part = seconds / len(needy)
             for f in needy:
-                took = min(part, f[3])
-                f[3] -= took
+                took = min(part, f[2])
+                f[2] -= took
                 seconds -= took
 
     def land(flight: list) -> None:
-        share = shares.setdefault(flight[1], Share())
-        share.hidden_seconds += times * (flight[2] - flight[3])
+        share = shares.setdefault(flight[0], Share())
+        share.hidden_seconds += times * (flight[1] - flight[2])
 
     for instr in instrs:
         if instr.opcode.endswith("-done"):
@@ -267,22 +265,8 @@ def _walk(instrs: list[Instr], model: _CostModel, times: float, shares: dict[str
         if not instr.opcode.endswith("-start") or '"is_sync":true' in instr.rest:
             share.synchronous += times
             continue
-        in_flight[instr.name] = [kind, cat, link, link]
-    carried = list(in_flight.items())
-    for instr in instrs:  # the loop's next iteration, up to the dones of the carried starts
-        if not carried:
-            break
-        if instr.opcode.endswith("-done"):
-            source = re.findall(r"%([\w.\-]+)", instr.rest.split(")")[0])
-            kind = instr.opcode.removesuffix("-done")
-            match = next((c for c in carried if c[1][0] == kind), None)
-            if source and source[0] not in starts and match:
-                carried.remove(match)
-                land(match[1])
-            continue
-        if collective_bytes(instr, model.types) is None:
-            spend(model.seconds(instr), dict(carried))
-    for _, flight in carried:  # never matched: count what it got
+        in_flight[instr.name] = [cat, link, link]
+    for flight in in_flight.values():  # a start without its done here (none in the recipes' programs)
         land(flight)
 
 
