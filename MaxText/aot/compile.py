@@ -77,29 +77,33 @@ def _with_choices(config: Config, choice: Choices) -> Config:
     return config.model_copy(update=update)
 
 
+def _resolved(config: Config, platform: str) -> tuple[tuple[str, str, str], Choices]:
+    """(moe_matmul, moe_ep_comm, attention) as ``platform`` runs them without Transformer Engine,
+    and a ``Choices`` whose target names say where TE takes over (``auto`` on a GPU)."""
+    names = (
+        resolve_backend(config.moe_matmul, platform, te=False),
+        resolve_exchange(config.moe_ep_comm, platform, te=False),
+        resolve_attention(config, config.max_target_length, platform, te=False),
+    )
+
+    def target(key: str, name: str) -> str:
+        # auto attention goes to TE only where it would go to cuDNN (16-bit on a GPU)
+        takes_te = platform == "gpu" and getattr(config, key) == "auto" and (key != "attention" or name == "cudnn")
+        return f"te if Transformer Engine imports, else {name}" if takes_te else name
+
+    targets = [target(key, name) for key, name in zip(INSTEAD_OF_TE, names, strict=True)]
+    return names, Choices(targets[0], targets[1], *names[:2], targets[2], names[2])
+
+
 def for_cpu_compile(config: Config) -> tuple[Config, Choices]:
     """The config compiled on simulated CPU devices: dtype for the target platform, MoE and
     attention choices XLA:CPU can run."""
     platform = target_platform(config)
     config = config.with_platform(platform)
-    backend = resolve_backend(config.moe_matmul, platform)
-    exchange = resolve_exchange(config.moe_ep_comm, platform)
-    attention = resolve_attention(config, config.max_target_length, platform)
-    on_gpu = platform == "gpu"
-    choice = Choices(
-        backend_target="te if Transformer Engine imports, else blocked"
-        if on_gpu and config.moe_matmul == "auto"
-        else backend,
-        exchange_target="te if Transformer Engine imports, else ragged_all_to_all"
-        if on_gpu and config.moe_ep_comm == "auto"
-        else exchange,
-        backend_compiled=CPU_BACKEND.get(backend, backend),
-        exchange_compiled=CPU_EXCHANGE.get(exchange, exchange),
-        attention_target="te if Transformer Engine imports, else cudnn"
-        if on_gpu and config.attention == "auto" and attention in ("te", "cudnn")
-        else attention,
-        attention_compiled=CPU_ATTENTION.get(attention, attention),
-    )
+    (backend, exchange, attention), choice = _resolved(config, platform)
+    choice.backend_compiled = CPU_BACKEND.get(backend, backend)
+    choice.exchange_compiled = CPU_EXCHANGE.get(exchange, exchange)
+    choice.attention_compiled = CPU_ATTENTION.get(attention, attention)
     return _with_choices(config, choice), choice
 
 
@@ -113,21 +117,7 @@ def for_gpu_compile(config: Config) -> tuple[Config, Choices]:
                 f"config key '{key}': te cannot be compiled for a GPU target without the GPU (Transformer "
                 f"Engine's custom calls query the device while tracing); compile {INSTEAD_OF_TE[key]} here"
             )
-    backend = resolve_backend(config.moe_matmul, "gpu", te=False)
-    exchange = resolve_exchange(config.moe_ep_comm, "gpu", te=False)
-    attention = resolve_attention(config, config.max_target_length, "gpu", te=False)
-
-    def target(key: str, compiled: str) -> str:
-        return f"te if Transformer Engine imports, else {compiled}" if getattr(config, key) == "auto" else compiled
-
-    choice = Choices(
-        backend_target=target("moe_matmul", backend),
-        exchange_target=target("moe_ep_comm", exchange),
-        backend_compiled=backend,
-        exchange_compiled=exchange,
-        attention_target=target("attention", attention) if attention == "cudnn" else attention,
-        attention_compiled=attention,
-    )
+    _, choice = _resolved(config, "gpu")
     return _with_choices(config, choice), choice
 
 

@@ -50,7 +50,8 @@ from MaxText.aot.hlo_stats import (
     tuple_elements,
 )
 from MaxText.moe.expert_parallel import WEIGHTS_SCOPE
-from MaxText.planner.constants import COLLECTIVE_EFFICIENCY, GEMM_EFFICIENCY
+from MaxText.planner.comms import exchange_link_bytes, exchange_seconds, gather_link_bytes, link_seconds
+from MaxText.planner.constants import GEMM_EFFICIENCY
 from MaxText.planner.systems import System
 
 CATEGORIES = (
@@ -124,12 +125,16 @@ class OverlapReport:
         }
 
 
+def _body(instr: Instr) -> str:
+    """A while loop's body computation."""
+    return re.search(r"body=%?([\w.\-]+)", instr.rest).group(1)
+
+
 class _CostModel:
     def __init__(self, comps, types, trips, system: System, domain_of: np.ndarray, ragged_rows: int | None):
         self.comps, self.types, self.trips = comps, types, trips
         self.flops_per_s = system.peak_flops("bf16") * GEMM_EFFICIENCY["dense"]["bf16"]
-        self.hbm = system.hbm_bw
-        self.nvlink, self.network = system.nvlink_bw * COLLECTIVE_EFFICIENCY, system.scaleout_bw * COLLECTIVE_EFFICIENCY
+        self.hbm, self.system = system.hbm_bw, system
         self.domain_of, self.ragged_rows = domain_of, ragged_rows
         self._flops: dict[str, float] = {}
         self._seconds: dict[str, float] = {}
@@ -147,8 +152,7 @@ class _CostModel:
         if instr.opcode == "custom-call":
             return custom_call_flops(instr) or 0.0
         if instr.opcode == "while":
-            body = re.search(r"body=%?([\w.\-]+)", instr.rest).group(1)
-            return self.trips.get(body, 1) * self.flops(body)
+            return self.trips.get(_body(instr), 1) * self.flops(_body(instr))
         return sum(self.flops(c) for key, c in CALLEE.findall(instr.rest) if key in ("calls", "to_apply"))
 
     def seconds(self, instr: Instr) -> float:
@@ -156,8 +160,7 @@ class _CostModel:
         if instr.opcode in FREE or instr.opcode.endswith("-done") or collective_bytes(instr, self.types):
             return 0.0
         if instr.opcode == "while":
-            body = re.search(r"body=%?([\w.\-]+)", instr.rest).group(1)
-            return self.trips.get(body, 1) * self.computation_seconds(body)
+            return self.trips.get(_body(instr), 1) * self.computation_seconds(_body(instr))
         if instr.opcode in ("call", "conditional"):
             called = [c for _, c in CALLEE.findall(instr.rest)] + re.findall(
                 r"(?:true|false)_computation=%?([\w.\-]+)", instr.rest
@@ -187,25 +190,22 @@ class _CostModel:
         self, kind: str, nbytes: float, groups: list[list[int]] | None, rows: int = 0
     ) -> tuple[float, float, float]:
         """(NVLink bytes, network bytes, seconds) one GPU spends on a collective (``rows``: a
-        ragged-all-to-all's buffer rows, of which it moves ``ragged_rows``)."""
+        ragged-all-to-all's buffer rows, of which it moves ``ragged_rows``), by the planner's terms."""
         group = groups[0] if groups else list(range(len(self.domain_of)))
         n = len(group)
         if n <= 1:
             return 0.0, 0.0, 0.0
         r = len(set(self.domain_of[np.asarray(group)].tolist()))
-        local = n // r
-        if kind in ("all-to-all", "ragged-all-to-all"):  # both links at once
+        if kind in ("all-to-all", "ragged-all-to-all"):
             if kind == "ragged-all-to-all" and self.ragged_rows and rows:
                 nbytes *= min(1.0, self.ragged_rows / rows)
-            sent = nbytes
-            nvl, net = sent * (local - 1) / n, sent * (n - local) / n
-            return nvl, net, max(nvl / self.nvlink, net / self.network)
+            nvl, net = exchange_link_bytes(nbytes, n // r, n)
+            return nvl, net, exchange_seconds(nvl, net, self.system)
         if kind == "collective-permute":
             nvl, net = (0.0, nbytes) if r > 1 else (nbytes, 0.0)
-        else:  # hierarchical: inside each domain, then across domains; an all-reduce is both halves twice
-            times = 2 if kind == "all-reduce" else 1
-            nvl, net = times * nbytes * (local - 1) / local, times * nbytes * (r - 1) / (r * local)
-        return nvl, net, nvl / self.nvlink + net / self.network
+        else:  # an all-reduce is a reduce-scatter and an all-gather
+            nvl, net = gather_link_bytes(nbytes * (2 if kind == "all-reduce" else 1), n // r, r)
+        return nvl, net, link_seconds(nvl, net, self.system)
 
 
 SLICING = ("dynamic-slice", "slice", "gather")

@@ -59,11 +59,18 @@ def parameter_rules(config: Config, axis_sizes: dict[str, int]) -> Rules:
     over the group (and their embed dim over the FSDP axes left). Stored by the plain rules instead
     (embed dim over fsdp x expert), XLA:SPMD could not reshard them to the split's layout and
     replicated both on every device each step ("involuntary full rematerialization")."""
-    rules = axis_rules(config)
-    batch_axes = dict(rules).get("activation_batch")
-    batch_axes = () if batch_axes is None else (batch_axes,) if isinstance(batch_axes, str) else batch_axes
-    group = vocabulary_group(config.vocab_size, config.vocab_axes(), batch_axes, axis_sizes)
-    return ((("vocab", group if len(group) > 1 else group[0]),) if group else ()) + rules
+    group = config_vocab_group(config, axis_sizes)
+    return ((("vocab", group if len(group) > 1 else group[0]),) if group else ()) + axis_rules(config)
+
+
+def config_vocab_group(
+    config: Config, axis_sizes: dict[str, int], axes: Sequence[str] | None = None
+) -> tuple[str, ...]:
+    """``vocabulary_group`` for a config and mesh axis sizes, outside a trace: of ``axes`` (default:
+    ``vocab_parallel_axes``), those the rules' ``activation_batch`` splits."""
+    batch = dict(axis_rules(config)).get("activation_batch")
+    batch = () if batch is None else (batch,) if isinstance(batch, str) else batch
+    return vocabulary_group(config.vocab_size, config.vocab_axes() if axes is None else axes, batch, axis_sizes)
 
 
 def logical_to_shardings(boxed_tree: Any, mesh: Mesh, config: Config) -> Any:

@@ -54,16 +54,33 @@ class Collective:
     seconds: float
 
 
+def gather_link_bytes(B: float, local: int, domains: int) -> tuple[float, float]:
+    """(NVLink, network) bytes one GPU moves to all-gather or reduce-scatter a tensor of ``B``
+    bytes over ``local`` GPUs in each of ``domains`` NVLink domains, hierarchically."""
+    return B * (local - 1) / local, B * (domains - 1) / (domains * local)
+
+
+def exchange_link_bytes(sent: float, local: int, group: int) -> tuple[float, float]:
+    """(NVLink, network) bytes of an all-to-all sending ``sent`` bytes spread evenly over ``group``
+    GPUs, ``local`` of them in this GPU's domain (its own share stays put)."""
+    return sent * (local - 1) / group, sent * (group - local) / group
+
+
+def link_seconds(nvl: float, net: float, system: System, efficiency: float = COLLECTIVE_EFFICIENCY) -> float:
+    """Time of gather-like traffic: inside the domains, then across them."""
+    return nvl / (system.nvlink_bw * efficiency) + net / (system.scaleout_bw * efficiency)
+
+
+def exchange_seconds(nvl: float, net: float, system: System, efficiency: float = COLLECTIVE_EFFICIENCY) -> float:
+    """Time of an all-to-all: both links at once."""
+    return max(nvl / (system.nvlink_bw * efficiency), net / (system.scaleout_bw * efficiency))
+
+
 def _gather(
     B: float, layout: Layout, axes: tuple[str, ...], system: System, times: float
 ) -> tuple[float, float, float]:
-    local, r = layout.local(*axes), layout.domains(*axes)
-    nvl, net = times * B * (local - 1) / local, times * B * (r - 1) / (r * local)
-    return (
-        nvl,
-        net,
-        nvl / (system.nvlink_bw * COLLECTIVE_EFFICIENCY) + net / (system.scaleout_bw * COLLECTIVE_EFFICIENCY),
-    )
+    nvl, net = gather_link_bytes(times * B, layout.local(*axes), layout.domains(*axes))
+    return nvl, net, link_seconds(nvl, net, system)
 
 
 def vocab_group_size(spec: ModelSpec, layout: Layout) -> int:
@@ -71,12 +88,10 @@ def vocab_group_size(spec: ModelSpec, layout: Layout) -> int:
     without a dcn part whose product divides the vocabulary (1: no split)."""
     if spec.config is None:
         return 1
-    from MaxText.parallel.sharding import axis_rules, vocabulary_group
+    from MaxText.parallel.sharding import config_vocab_group
 
-    batch = dict(axis_rules(spec.config)).get("activation_batch") or ()
-    batch = (batch,) if isinstance(batch, str) else batch
     fast = [a for a in spec.config.vocab_axes() if layout.dcn.get(a, 1) == 1]
-    group = vocabulary_group(spec.vocab, fast, batch, {a: layout.size(a) for a in MESH_AXES})
+    group = config_vocab_group(spec.config, {a: layout.size(a) for a in MESH_AXES}, fast)
     return layout.size(*group) if group else 1
 
 
@@ -93,11 +108,11 @@ def collectives(spec: ModelSpec, layout: Layout, system: System, stack: Stack) -
         if stack.exchange == "allgather":
             B = tokens * spec.moe_layers * ep * D * ACTIVATION_BYTES  # whole gathered token set
             nvl, net, _ = _gather(B, layout, layout.ep_axes, system, passes)
-            seconds = nvl / (system.nvlink_bw * eff) + net / (system.scaleout_bw * eff)
+            seconds = link_seconds(nvl, net, system, eff)
         else:
             sent = tokens * spec.moe_layers * K * D * ACTIVATION_BYTES * passes
-            nvl, net = sent * (in_domain - 1) / ep, sent * (ep - in_domain) / ep
-            seconds = max(nvl / (system.nvlink_bw * eff), net / (system.scaleout_bw * eff))
+            nvl, net = exchange_link_bytes(sent, in_domain, ep)
+            seconds = exchange_seconds(nvl, net, system, eff)
         out.append(Collective("dispatch/combine", "dispatch", nvl, net, seconds))
 
     dense_full = spec.params_dense / (layout.tp * layout.pp)  # a replica's dense weights on one GPU
@@ -110,9 +125,7 @@ def collectives(spec: ModelSpec, layout: Layout, system: System, stack: Stack) -
         elements = heads * (n - 1) * tokens * D  # per lookup or head pass
         head_passes = 2 if c.vocab_chunks > 1 else 1
         sent = elements * (2 * ACTIVATION_BYTES + head_passes * ACTIVATION_BYTES + GRAD_BYTES)
-        out.append(
-            Collective("vocabulary split", "vocab", sent, 0.0, sent / (system.nvlink_bw * COLLECTIVE_EFFICIENCY))
-        )
+        out.append(Collective("vocabulary split", "vocab", sent, 0.0, link_seconds(sent, 0.0, system)))
     if sharded:
         m = layout.microbatches
         if layout.size("fsdp", "expert") > 1:  # dense weights: gathered forward and backward, gradients scattered
