@@ -108,6 +108,11 @@ class Config(BaseModel):
     weight_dtype: ParamDType
     remat_policy: Literal["none", "minimal", "full"]
     vocab_chunks: Count
+    quantization: Literal["none", "fp8_blockwise", "mxfp8"]
+    fp8_gemm: Literal["auto", "emulate", "cudnn"]
+    fp8_block: Count
+    mxfp8_block: Count
+    mxfp8_scale_rule: Literal["ceil", "floor"]
     vocab_parallel_axes: Literal["auto"] | list[str]
     # model shape
     vocab_size: Count
@@ -325,6 +330,25 @@ def check_rules(c: Config) -> None:
             c.num_experts % expert_ways == 0,
             "ici_expert_parallelism",
             f"num_experts ({c.num_experts}) is not divisible by expert parallelism ({expert_ways})",
+        )
+    if c.quantization != "none":  # the routed experts' FP8 GEMMs live in the blocked backend
+        _require(
+            c.moe_matmul in ("auto", "blocked"),
+            "moe_matmul",
+            f"{c.moe_matmul} has no FP8 path (quantization={c.quantization}); blocked runs the routed experts' "
+            "FP8 GEMMs (ragged_dot's weight gradient would tile tokens across experts; Transformer Engine's "
+            "MXFP8 grouped GEMM is not wired in yet)",
+        )
+        _require(
+            c.fp8_gemm != "cudnn" or c.quantization == "mxfp8",
+            "fp8_gemm",
+            f"cudnn's block-scaled GEMM takes MX blocks (quantization=mxfp8), not {c.quantization}'s square "
+            "weight blocks; use emulate",
+        )
+        _require(
+            c.capacity_factor == -1,
+            "capacity_factor",
+            f"the token-dropping baseline has no FP8 path (quantization={c.quantization}); use -1 (dropless)",
         )
     unknown = [a for a in c.vocab_parallel_axes if a not in MESH_AXES] if c.vocab_parallel_axes != "auto" else []
     _require(not unknown, "vocab_parallel_axes", f"unknown mesh axes {unknown}; known: {list(MESH_AXES)}")

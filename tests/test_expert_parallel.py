@@ -24,6 +24,7 @@ from functools import partial
 
 import flax.linen as nn
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -240,3 +241,57 @@ def test_layout_passes_hold_every_active_copy_once():
         assert len(copies) <= capacity
         held.extend(copies.tolist())
     assert sorted(held) == np.flatnonzero(np.asarray(active_TK).reshape(-1)).tolist()
+
+
+def _collective_dtypes(jaxpr, names=("all_to_all", "all_gather", "ragged_all_to_all")) -> set[str]:
+    """The operand dtypes of the collectives in a jaxpr, sub-jaxprs included."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in names:
+            found |= {str(v.aval.dtype) for v in eqn.invars if hasattr(v.aval, "dtype")}
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found |= _collective_dtypes(sub, names)
+    return found
+
+
+FP8_CASES = [("allgather", *MESH), ("all_to_all", *SMALL_BUFFERS), ("ragged_all_to_all", *SMALL_BUFFERS)]
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=[c[0] for c in FP8_CASES])
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "mxfp8"])
+def test_fp8_dispatch_sends_bytes_and_changes_no_number(recipe, case, monkeypatch):
+    """With ``quantization`` on, the tokens cross the exchange as FP8 bytes and scales, and expert
+    parallelism gives the numbers of one device (where the same quantization runs without moving)."""
+    exchange, *mesh = case
+    monkeypatch.setattr(dispatch, "UNROLL_ROUNDS", True)
+    if exchange == "ragged_all_to_all":
+        monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+    one = backend_config("blocked", f"quantization={recipe}")
+    config = backend_config("blocked", f"quantization={recipe}", f"moe_ep_comm={exchange}", *mesh)
+    params = random_params(one)
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((B, S, config.emb_dim)), jnp.float32)
+    bias = jnp.asarray(routing_bias("zipf", config.num_experts), jnp.float32)
+    (_, (y_one, _)), grads_one = jax.jit(partial(block_and_grads, one))(params, bias, x)
+    mesh_ = make_mesh(config, jax.devices())
+    with jax.set_mesh(mesh_), nn.logical_axis_rules(axis_rules(config)):
+        fn = partial(block_and_grads, config)
+        dtypes = _collective_dtypes(jax.make_jaxpr(fn)(params, bias, x).jaxpr)
+        (_, (y_ep, _)), grads_ep = jax.jit(fn)(params, bias, x)
+    assert "uint8" in dtypes  # the FP8 values travel as their bytes
+    np.testing.assert_allclose(np.asarray(y_ep), np.asarray(y_one), rtol=1e-5, atol=1e-5)
+    (params_ep, x_ep), (params_one, x_one) = grads_ep, grads_one
+    np.testing.assert_allclose(np.asarray(x_ep), np.asarray(x_one), rtol=1e-4, atol=1e-5)
+    for path, a in jax.tree_util.tree_leaves_with_path(params_ep):
+        b = np.asarray(functools.reduce(lambda t, k: t[k.key], path, params_one))
+        if path[0].key in ("wi_0", "wi_1", "wo"):
+            # The routed experts' weight gradients contract each device's received tokens in its
+            # own GEMMs, so their b x 1 tiles group other tokens than one device's: equal to
+            # FP8's rounding, not to float32's.
+            assert float(np.linalg.norm(np.asarray(a) - b) / np.linalg.norm(b)) < 2 * 2.0**-4
+        else:
+            np.testing.assert_allclose(np.asarray(a), b, rtol=1e-4, atol=1e-5)
+    # ... and the FP8 path differs from the unquantized one by FP8's rounding, no more.
+    plain = backend_config("blocked")
+    (_, (y_plain, _)), _ = jax.jit(partial(block_and_grads, plain))(params, bias, x)
+    error = float(jnp.linalg.norm(y_one - y_plain) / jnp.linalg.norm(y_plain))
+    assert 1e-4 < error < 2 * 2.0**-4

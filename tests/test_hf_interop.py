@@ -307,6 +307,40 @@ def test_fp8_block_scaled_weights_are_dequantized(hf_model, tmp_path):
             )
 
 
+def test_export_writes_deepseeks_fp8_format_and_reads_it_back(hf_model, converted, tmp_path):
+    """``dtype="fp8"``: the linear layers as E4M3 with 128 x 128 ``_scale_inv`` blocks (the
+    blockwise recipe's weight blocks), the rest bfloat16, ``quantization_config`` as released;
+    converting it back gives every quantized weight exactly as fp8_blockwise training multiplies
+    it, and the others as bfloat16 rounds them."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from MaxText.quantization import Recipe, fake_quantize
+
+    exported = export(converted, tmp_path / "fp8", dtype="fp8", progress=False)
+    hf = json.loads((exported / "config.json").read_text())
+    assert hf["quantization_config"]["weight_block_size"] == [128, 128] and hf["torch_dtype"] == "bfloat16"
+    folder = SafetensorsFolder(exported)
+    fp8 = {n for n, t in folder.tensors.items() if t.dtype == "F8_E4M3"}
+    assert "model.layers.2.mlp.experts.7.down_proj.weight" in fp8 and "model.layers.0.self_attn.o_proj.weight" in fp8
+    assert not any(("embed" in n or "lm_head" in n or "mlp.gate." in n or "norm" in n) for n in fp8)
+    assert {n + "_scale_inv" for n in fp8} <= set(folder.tensors)
+    assert folder.read("model.layers.0.mlp.down_proj.weight_scale_inv").shape == (1, 2)  # 200 columns
+
+    back = convert(exported, tmp_path / "back", progress=False)
+    config = load_config([str(converted / "config.yml"), "run_name=t"]).with_platform("cpu")
+    original, restored = checkpoint_leaves(converted, config), checkpoint_leaves(back, config)
+    blockwise = Recipe("fp8_blockwise", 128)
+    for name, slot in hf_table(config).items():
+        want = to_hf(original[slot.leaf][slot.index], slot.layout)
+        got = to_hf(restored[slot.leaf][slot.index], slot.layout)
+        if name in fp8:
+            want = np.asarray(fake_quantize(jnp.asarray(want, jnp.float32), blockwise, (0, 1)))
+        elif "e_score_correction_bias" not in name:
+            want = want.astype(ml_dtypes.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(got, want, err_msg=name)
+
+
 def run_convert_tool(capsys, hf_path: Path, output: Path) -> str:
     from tools.convert_hf_checkpoint import main
 

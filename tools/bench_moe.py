@@ -203,7 +203,7 @@ def build_impls(args: argparse.Namespace, platform: str) -> tuple[list[Impl], li
 
     def backend_impl(name: str, *overrides: str) -> Impl:
         config = moe_config(args, platform, *overrides)
-        backend = resolve_backend(config.moe_matmul, platform)
+        backend = resolve_backend(config.moe_matmul, platform, fp8=config.quantization != "none")
         return Impl(name, config, backend, rows_dropped(backend, config))
 
     if "dropless" in args.impls:

@@ -2,6 +2,7 @@
 
     python tools/export_hf_checkpoint.py --checkpoint outputs/my-run/checkpoints/2000 --output_path hf/
     python tools/export_hf_checkpoint.py --checkpoint converted/ --output_path hf/ --dtype float32
+    python tools/export_hf_checkpoint.py --checkpoint ... --output_path hf/ --dtype fp8   # DeepSeek's FP8 format
 
 ``--checkpoint`` is a training step directory or a converted checkpoint; the model's config is
 the one saved with it. Writes config.json and safetensors shards (``--max_shard_gb`` each, with
@@ -28,7 +29,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, help="a training step directory or a converted checkpoint")
     parser.add_argument("--output_path", required=True, help="folder to write config.json and *.safetensors into")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weight dtype written")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32", "fp8"],
+        help="weight dtype written; fp8: DeepSeek's released format (E4M3 linear layers with 128 x 128 scales)",
+    )
     parser.add_argument("--max_shard_gb", type=float, default=5.0, help="largest safetensors file, in GB")
     args = parser.parse_args(argv)
     try:

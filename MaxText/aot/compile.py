@@ -81,7 +81,7 @@ def _resolved(config: Config, platform: str) -> tuple[tuple[str, str, str], Choi
     """(moe_matmul, moe_ep_comm, attention) as ``platform`` runs them without Transformer Engine,
     and a ``Choices`` whose target names say where TE takes over (``auto`` on a GPU)."""
     names = (
-        resolve_backend(config.moe_matmul, platform, te=False),
+        resolve_backend(config.moe_matmul, platform, te=False, fp8=config.quantization != "none"),
         resolve_exchange(config.moe_ep_comm, platform, te=False),
         resolve_attention(config, config.max_target_length, platform, te=False),
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import ml_dtypes
@@ -22,11 +23,32 @@ from tqdm import tqdm
 from MaxText.hf import HFCheckpointError
 from MaxText.hf.checkpoint_io import LeafReader, checkpoint_config
 from MaxText.hf.config_map import hf_config
+from MaxText.hf.convert import SCALE_SUFFIX
 from MaxText.hf.safetensors_io import INDEX_FILE, write_safetensors
 from MaxText.hf.weights import abstract_variables, hf_shape, hf_table, leaves, mtp_copies, to_hf
 from MaxText.moe.block import BIAS
+from MaxText.quantization.quantize import Recipe, quantize
 
 DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
+# ``dtype="fp8"`` writes DeepSeek's released format: the linear layers FP8 training quantizes
+# (attention projections, dense, shared and routed MLPs) as E4M3 with a float32 ``_scale_inv``
+# per 128 x 128 block of the [out, in] matrix (weight = fp8 x scale_inv), everything else
+# bfloat16 (the correction biases float32). The blocks are ``fp8_blockwise``'s weight blocks:
+# the exported weights are the ones its forward pass multiplies.
+FP8_WEIGHTS = re.compile(
+    r"(self_attn\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
+    r"|mlp\.(shared_experts\.|experts\.\d+\.)?(gate_proj|up_proj|down_proj))\.weight$"
+)
+FP8_BLOCK = 128
+
+
+def fp8_blocks(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A 2-D weight as E4M3 values and float32 scales per FP8_BLOCK x FP8_BLOCK block (the
+    product's one quantizer, ``quantization.quantize``, with the blockwise recipe)."""
+    import jax.numpy as jnp
+
+    values, scales = quantize(jnp.asarray(weight, jnp.float32), Recipe("fp8_blockwise", FP8_BLOCK), axis=(0, 1))
+    return np.asarray(values), np.asarray(scales)
 
 
 def export(
@@ -38,7 +60,7 @@ def export(
 ) -> Path:
     out = Path(output_path)
     config = checkpoint_config(checkpoint).with_platform("cpu")
-    hf = hf_config(config, dtype)
+    hf = hf_config(config, "bfloat16" if dtype == "fp8" else dtype)
     abstract = abstract_variables(config)
     shapes = leaves(abstract)
     reader = LeafReader(checkpoint)
@@ -51,16 +73,26 @@ def export(
     for name, leaf in mtp_copies(config).items():
         entries.append((name, leaf, (), "T" if leaf[-1] == "output_head" else "same"))
 
-    def out_dtype(leaf) -> np.dtype:
-        return np.dtype(np.float32) if leaf[0] == BIAS else DTYPES[dtype]
+    def out_dtype(name, leaf) -> np.dtype:
+        if leaf[0] == BIAS:
+            return np.dtype(np.float32)
+        if dtype == "fp8":
+            return np.dtype(ml_dtypes.float8_e4m3fn) if FP8_WEIGHTS.search(name) else DTYPES["bfloat16"]
+        return DTYPES[dtype]
 
-    sizes = []
-    for name, leaf, index, layout in entries:
+    sizes = []  # (HF name, shape, dtype, entry): an FP8 weight is followed by its scales
+    for i, (name, leaf, index, layout) in enumerate(entries):
         shape = hf_shape(shapes[leaf].shape[len(index) :], layout)
-        sizes.append((name, shape, out_dtype(leaf)))
+        sizes.append((name, shape, out_dtype(name, leaf), i))
+        if sizes[-1][2] == np.dtype(ml_dtypes.float8_e4m3fn):
+            blocks = tuple(math.ceil(n / FP8_BLOCK) for n in shape)
+            sizes.append((name + SCALE_SUFFIX, blocks, np.dtype(np.float32), i))
     shards: list[list[int]] = [[]]
     used = 0
-    for i, (_, shape, dt) in enumerate(sizes):
+    for i, (name, shape, dt, _) in enumerate(sizes):
+        if name.endswith(SCALE_SUFFIX):  # scales stay in their weight's shard
+            shards[-1].append(i)
+            continue
         size = math.prod(shape) * dt.itemsize
         if shards[-1] and used + size > max_shard_bytes:
             shards.append([])
@@ -77,21 +109,36 @@ def export(
 
     bar = tqdm(total=len(entries), desc="export", unit="tensor", disable=not progress, dynamic_ncols=True)
     weight_map = {}
+    scales: dict[str, np.ndarray] = {}  # an FP8 weight's scales, until written right after it
     for number, shard in enumerate(shards, 1):
         file = "model.safetensors" if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
 
         def tensors(shard=shard):
             for i in shard:
-                name, leaf, index, layout = entries[i]
+                name, shape, dt, entry = sizes[i]
+                if name in scales:
+                    yield name, scales.pop(name)
+                    continue
+                _, leaf, index, layout = entries[entry]
                 bar.update()
-                yield name, to_hf(slot(leaf, index), layout).astype(sizes[i][2])
+                value = to_hf(slot(leaf, index), layout)
+                if dt == np.dtype(ml_dtypes.float8_e4m3fn):
+                    value, scales[name + SCALE_SUFFIX] = fp8_blocks(value)
+                yield name, value.astype(dt)
 
         write_safetensors(out / file, {sizes[i][0]: (sizes[i][1], sizes[i][2]) for i in shard}, tensors())
         weight_map.update({sizes[i][0]: file for i in shard})
     bar.close()
     if len(shards) > 1:
-        total = sum(math.prod(shape) * dt.itemsize for _, shape, dt in sizes)
+        total = sum(math.prod(shape) * dt.itemsize for _, shape, dt, _ in sizes)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    if dtype == "fp8":  # what DeepSeek's release declares
+        hf["quantization_config"] = {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+        }
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     return out

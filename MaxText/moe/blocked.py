@@ -25,6 +25,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from MaxText.quantization.matmul import fp8_gemm, mx_gemm, mx_operand
+from MaxText.quantization.quantize import Recipe, fake_quantize
+
 
 class Blocks(NamedTuple):
     """The blocks of one level: block i covers padded rows [start[i], start[i] + rows)."""
@@ -68,26 +71,90 @@ def _write(a_PX: jax.Array, value: jax.Array, start: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_slice_in_dim(a_PX, value.astype(a_PX.dtype), start, 0)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def blocked_swiglu(
-    rows: tuple[int, ...], xp_PD: jax.Array, wi_0: jax.Array, wi_1: jax.Array, wo: jax.Array, blocks: tuple[Blocks, ...]
+    rows: tuple[int, ...],
+    recipe: Recipe | None,
+    xp_PD: jax.Array,
+    wi_0: jax.Array,
+    wi_1: jax.Array,
+    wo: jax.Array,
+    blocks: tuple[Blocks, ...],
 ) -> jax.Array:
     """Every block's rows through its expert's SwiGLU MLP: [P, D] -> [P, D]; rows outside every
-    block (padding) give zeros. ``rows[l]`` is the block size of level ``blocks[l]``."""
-    return _blocked_swiglu_fwd(rows, xp_PD, wi_0, wi_1, wo, blocks)[0]
+    block (padding) give zeros. ``rows[l]`` is the block size of level ``blocks[l]``. With an FP8
+    ``recipe`` each of the nine GEMMs (three forward, three input- and three weight-gradient)
+    takes FP8 operands quantized along its own contraction dimension (``quantization/matmul.py``):
+    the weights once per layer and direction, the activations and gradients per block (the
+    weight gradients' tiles run along the block's rows, its tokens)."""
+    return _blocked_swiglu_fwd(rows, recipe, xp_PD, wi_0, wi_1, wo, blocks)[0]
 
 
-def _blocked_swiglu_fwd(rows, xp_PD, wi_0, wi_1, wo, blocks):
+def _emulated(recipe: Recipe | None) -> Recipe | None:
+    """The recipe when its GEMMs are emulated here (operands fake-quantized up front), else None
+    (no recipe, or cuDNN's GEMMs, which quantize their own operands: ``_mm``)."""
+    return recipe if recipe is not None and recipe.gemm == "emulate" else None
+
+
+def _weights(recipe: Recipe | None, wi_0, wi_1, wo, direction: str):
+    """The expert stacks [E, in, out] as the forward (contracting ``in``) or the input gradient
+    (contracting ``out``) multiplies them, quantized once per layer and direction: dequantized
+    (emulation), or cuDNN's operands laid out [E, rows, K] (``_mm`` takes them as they are)."""
+    if recipe is not None and recipe.gemm == "cudnn":
+        laid_out = (w.swapaxes(1, 2) for w in (wi_0, wi_1, wo)) if direction == "forward" else (wi_0, wi_1, wo)
+        return tuple(mx_operand(w, recipe) for w in laid_out)
+    recipe = _emulated(recipe)
+    contracted = 1 if direction == "forward" else 2
+    axis = (1, 2) if recipe is not None and recipe.weight_blocks_2d else contracted
+    return tuple(fake_quantize(w, recipe, axis) for w in (wi_0, wi_1, wo))
+
+
+def _transposed(w, recipe: Recipe | None):
+    """A dequantized weight transposed for the input gradient; cuDNN's operand as it is (laid
+    out for it already)."""
+    return w if recipe is not None and recipe.gemm == "cudnn" else w.T
+
+
+def _expert(w, e):
+    """Expert ``e`` of a stack of either form."""
+    return jax.tree.map(lambda t: t[e], w)
+
+
+def _mm(a, b, recipe: Recipe | None, dtype) -> jax.Array:
+    """``a @ b`` of a block; with a recipe as an FP8 GEMM, given in ``dtype`` (emulated: the
+    float32 GEMM of the operands, dequantized up front; cuDNN: quantized here, along K)."""
+    if recipe is None:
+        return a @ b
+    if recipe.gemm == "cudnn":  # b: the weight's operand, [rows, K]
+        return mx_gemm(a, b, recipe).astype(dtype)
+    return fp8_gemm(a, b).astype(dtype)
+
+
+def _weight_grad(a_BI: jax.Array, g_BO: jax.Array, recipe: Recipe | None) -> jax.Array:
+    """``a^T g`` in float32: a weight gradient, contracting the block's rows (b x 1 tiles with a
+    recipe)."""
+    if recipe is None:
+        return jnp.matmul(a_BI.T, g_BO, preferred_element_type=jnp.float32)
+    if recipe.gemm == "cudnn":
+        return mx_gemm(a_BI.T, g_BO.T, recipe)
+    return fp8_gemm(fake_quantize(a_BI, recipe, 0).T, fake_quantize(g_BO, recipe, 0))
+
+
+def _blocked_swiglu_fwd(rows, recipe, xp_PD, wi_0, wi_1, wo, blocks):
     P, F = xp_PD.shape[0], wi_0.shape[-1]
+    w0, w1, w2 = _weights(recipe, wi_0, wi_1, wo, "forward")
+    xq_PD = fake_quantize(xp_PD, _emulated(recipe), 1)  # 1 x b tiles along D: the same per block or whole
+    dtype = xp_PD.dtype
     outputs = (jnp.zeros_like(xp_PD), jnp.zeros((P, F), xp_PD.dtype), jnp.zeros((P, F), xp_PD.dtype))
     for B, level in zip(rows, blocks, strict=True):
 
         def one_block(i, outputs, B=B, level=level):
             y, gate, up = outputs
             start, e = level.start_NB[i], level.expert_NB[i]
-            x = _read(xp_PD, start, B)
-            gate_b, up_b = x @ wi_0[e], x @ wi_1[e]
-            y_b = (jax.nn.silu(gate_b) * up_b) @ wo[e]
+            x = _read(xq_PD, start, B)
+            gate_b, up_b = _mm(x, _expert(w0, e), recipe, dtype), _mm(x, _expert(w1, e), recipe, dtype)
+            h_b = jax.nn.silu(gate_b) * up_b
+            y_b = _mm(fake_quantize(h_b, _emulated(recipe), 1), _expert(w2, e), recipe, dtype)
             return _write(y, y_b, start), _write(gate, gate_b, start), _write(up, up_b, start)
 
         outputs = jax.lax.fori_loop(0, level.count, one_block, outputs)
@@ -95,8 +162,11 @@ def _blocked_swiglu_fwd(rows, xp_PD, wi_0, wi_1, wo, blocks):
     return y, (xp_PD, wi_0, wi_1, wo, blocks, gate, up)
 
 
-def _blocked_swiglu_bwd(rows, residuals, dy_PD):
+def _blocked_swiglu_bwd(rows, recipe, residuals, dy_PD):
     xp_PD, wi_0, wi_1, wo, blocks, gate, up = residuals
+    w0, w1, w2 = _weights(recipe, wi_0, wi_1, wo, "backward")
+    gq_PD = fake_quantize(dy_PD, _emulated(recipe), 1)  # along D, for the input gradient through wo
+    dtype = xp_PD.dtype
     grads = (jnp.zeros_like(xp_PD), *(jnp.zeros(w.shape, jnp.float32) for w in (wi_0, wi_1, wo)))
     for B, level in zip(rows, blocks, strict=True):
 
@@ -106,14 +176,17 @@ def _blocked_swiglu_bwd(rows, residuals, dy_PD):
             x, g, gate_b, up_b = (_read(a, start, B) for a in (xp_PD, dy_PD, gate, up))
             sig = jax.nn.sigmoid(gate_b)
             act = gate_b * sig  # silu(gate)
-            dh = g @ wo[e].T
+            dh = _mm(_read(gq_PD, start, B), _transposed(_expert(w2, e), recipe), recipe, dtype)
             d_up = dh * act
             d_gate = dh * up_b * sig * (1 + gate_b * (1 - sig))  # silu'(a) = sig(a) (1 + a (1 - sig(a)))
-            dx = _write(dx, d_gate @ wi_0[e].T + d_up @ wi_1[e].T, start)
-            f32 = jnp.float32
-            dwo = dwo.at[e].add(jnp.matmul((act * up_b).T, g, preferred_element_type=f32))
-            dw0 = dw0.at[e].add(jnp.matmul(x.T, d_gate, preferred_element_type=f32))
-            dw1 = dw1.at[e].add(jnp.matmul(x.T, d_up, preferred_element_type=f32))
+            rowwise = partial(fake_quantize, recipe=_emulated(recipe), axis=1)
+            dx_b = _mm(rowwise(d_gate), _transposed(_expert(w0, e), recipe), recipe, dtype)
+            dx_b += _mm(rowwise(d_up), _transposed(_expert(w1, e), recipe), recipe, dtype)
+            dx = _write(dx, dx_b, start)
+            h_b = act * up_b
+            dwo = dwo.at[e].add(_weight_grad(h_b, g, recipe))
+            dw0 = dw0.at[e].add(_weight_grad(x, d_gate, recipe))
+            dw1 = dw1.at[e].add(_weight_grad(x, d_up, recipe))
             return dx, dw0, dw1, dwo
 
         grads = jax.lax.fori_loop(0, level.count, one_block, grads)

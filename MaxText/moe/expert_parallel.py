@@ -67,6 +67,16 @@ from jax.sharding import PartitionSpec as P
 from MaxText.config import Config
 from MaxText.moe.dispatch import gather_rows, in_rounds, sum_copies
 from MaxText.parallel.sharding import batch_mesh_axes, parameter_mesh_axes
+from MaxText.quantization import recipe_of
+from MaxText.quantization.dispatch import fp8_moved
+
+
+def dispatch_quantized(x_TD: jax.Array, config: Config) -> jax.Array:
+    """The experts' input as it arrives without moving: FP8-quantized and dequantized when the
+    dispatch is FP8 (``quantization``), so that every path computes the same numbers."""
+    fp8 = recipe_of(config)
+    return x_TD if fp8 is None else fp8_moved(None, fp8, x_TD, ())
+
 
 # The routed experts' weights' logical axes (block.py).
 WI_AXES, WO_AXES = ("exp", "embed", "mlp"), ("exp", "mlp", "embed")
@@ -254,14 +264,25 @@ def _exchange_round(
     recv_sizes = jnp.clip(recv_total - r * C, 0, C)
     exchange = partial(jax.lax.all_to_all, axis_name=axis, split_axis=0, concat_axis=0, tiled=True)
 
-    # Outbound: the tokens, their experts as ids local to the destination, their weights.
+    # Outbound: the tokens (FP8 with a recipe), their experts as ids local to the destination,
+    # their weights.
+    fp8 = recipe_of(config)
     if packed is None:
-        x_RD = exchange(gather_rows(x_TD, token_R, valid_R, row_Td))
+        slots = (token_R, valid_R, row_Td)
+        x_RD = (
+            exchange(gather_rows(x_TD, *slots))
+            if fp8 is None
+            else fp8_moved(partial(_to_slots, axis=axis), fp8, x_TD, slots)
+        )
     else:  # round r's window of each destination's packed rows, into this device's slot there
-        xp_ND, start_d = packed[:2]
-        in_d = jnp.where(send_sizes > 0, start_d + r * C, 0)
+        in_d = jnp.where(send_sizes > 0, packed.start_d + r * C, 0)
         here = jnp.full_like(in_d, jax.lax.axis_index(axis) * (C + 1))
-        x_RD = packed_exchange(xp_ND, in_d, send_sizes, here, recv_sizes, token_R.shape[0], axis)
+        sizes = (in_d, send_sizes, here, recv_sizes)
+        if fp8 is None:
+            x_RD = packed_exchange(packed.rows_ND, *sizes, token_R.shape[0], axis)
+        else:  # the packed gather moves FP8 too, so it is part of the movement
+            move = partial(_packed_to_slots, rows=token_R.shape[0], axis=axis)
+            x_RD = fp8_moved(move, fp8, x_TD, (packed.token_N, packed.valid_N, packed.row_Td, *sizes))
     local_RJ, active_RJ, weights_RJ = _local_copies(
         experts_TK[token_R] - destination_R[:, None] * E_local, valid_R, weights_TK[token_R], E_local
     )
@@ -276,8 +297,30 @@ def _exchange_round(
     if packed is None:
         return sum_copies(exchange(y_RD), copy_R, valid_R, row_Td)
     slot_starts = jnp.arange(ep, dtype=recv_sizes.dtype) * (C + 1)
-    yp_ND = packed_exchange(y_RD, slot_starts, recv_sizes, exchange(in_d), send_sizes, xp_ND.shape[0], axis)
-    return sum_copies(yp_ND, *packed[2:])
+    yp_ND = packed_exchange(y_RD, slot_starts, recv_sizes, exchange(in_d), send_sizes, packed.copy_N.shape[0], axis)
+    return sum_copies(yp_ND, packed.copy_N, packed.valid_N, packed.row_Td)
+
+
+def _to_slots(x_TD, token_R, valid_R, row_Td, axis):
+    """Tokens into their destinations' slots, and the slots to their devices (all_to_all)."""
+    return jax.lax.all_to_all(gather_rows(x_TD, token_R, valid_R, row_Td), axis, 0, 0, tiled=True)
+
+
+def _packed_to_slots(x_TD, token_N, valid_N, row_Td, in_d, send_sizes, here, recv_sizes, rows, axis):
+    """Tokens into the packed send layout, and its rows into their slots (ragged_all_to_all)."""
+    return packed_exchange(gather_rows(x_TD, token_N, valid_N, row_Td), in_d, send_sizes, here, recv_sizes, rows, axis)
+
+
+class Packed(NamedTuple):
+    """The packed send layout of one device (``_packed_rows``): its rows (None where the rows
+    travel in FP8 and are gathered by the movement itself) and where they came from."""
+
+    rows_ND: jax.Array | None
+    start_d: jax.Array
+    copy_N: jax.Array
+    valid_N: jax.Array
+    row_Td: jax.Array
+    token_N: jax.Array
 
 
 def _slot_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis, ragged):
@@ -290,7 +333,8 @@ def _slot_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_ex
     packed = None
     if ragged:  # every row to send, packed once: T * min(K, ep) rows and a zero row
         token_N, valid_N, row_Td, copy_N, start_d = _packed_rows(routes, T * min(K, ep) + 1)
-        packed = (gather_rows(x_TD, token_N, valid_N, row_Td), start_d, copy_N, valid_N, row_Td)
+        rows_ND = gather_rows(x_TD, token_N, valid_N, row_Td) if recipe_of(config) is None else None
+        packed = Packed(rows_ND, start_d, copy_N, valid_N, row_Td, token_N)
     args = (x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis, plan.rows_per_pair)
     # The fullest pair of the group decides the rounds, the same on every device (C = T: one
     # round holds any routing, and no predicate is needed).
@@ -301,7 +345,10 @@ def _slot_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_ex
 
 
 def _allgather_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis):
-    x_TD, experts_TK, weights_TK = (jax.lax.all_gather(a, axis, tiled=True) for a in (x_TD, experts_TK, weights_TK))
+    gather = partial(jax.lax.all_gather, axis_name=axis, tiled=True)
+    fp8 = recipe_of(config)
+    x_TD = gather(x_TD) if fp8 is None else fp8_moved(gather, fp8, x_TD, ())
+    experts_TK, weights_TK = gather(experts_TK), gather(weights_TK)
     y_TD = _own_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis)
     return jax.lax.psum_scatter(y_TD, axis, tiled=True)
 
@@ -352,6 +399,7 @@ def expert_parallel_experts(
             wo = gather_weight(wo, wo_spec, axis)
         args = (x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis)
         if not tokens_split_over_axis:  # every device of the group holds the same tokens
+            args = (dispatch_quantized(x_TD, config), *args[1:])  # as if they had travelled
             return jax.lax.psum(_own_experts(*args), axis)
         if exchange == "allgather":
             return _allgather_experts(*args)

@@ -34,9 +34,10 @@ from MaxText.layers.common import import_error
 from MaxText.moe.blocked import blocked_swiglu, expert_blocks, level_rows
 from MaxText.moe.capacity import capacity_experts
 from MaxText.moe.dispatch import BlockLayout, block_layout, combine, combine_blocks, in_rounds, sort_copies, to_blocks
-from MaxText.moe.expert_parallel import expert_axis, expert_parallel_experts
+from MaxText.moe.expert_parallel import dispatch_quantized, expert_axis, expert_parallel_experts
 from MaxText.moe.te_exchange import ALIGN_ROWS
 from MaxText.parallel.platform import GPU_PLATFORMS, trace_platform
+from MaxText.quantization import recipe_of
 
 # The routed experts run under this name (JAX's op names carry it, the exchange included): the
 # ahead-of-time compile counts their FLOPs by it.
@@ -52,7 +53,7 @@ def _blocked(xp_PD, wi_0, wi_1, wo, layout: BlockLayout, config: Config) -> jax.
     # Levels larger than the layout are left out (a small layout: few tokens or a small capacity).
     rows = tuple(B for B in level_rows(config.moe_block_rows, config.moe_min_block_rows) if B <= xp_PD.shape[0])
     blocks = expert_blocks(layout.start_E, layout.padded_E, rows, xp_PD.shape[0])
-    return blocked_swiglu(rows, xp_PD, wi_0, wi_1, wo, blocks)
+    return blocked_swiglu(rows, recipe_of(config), xp_PD, wi_0, wi_1, wo, blocks)
 
 
 def _swiglu_of(matmul: GroupedMatmul) -> ExpertsBackend:
@@ -131,9 +132,13 @@ def _resolve_auto(
     return tpu_choice if platform == "tpu" else cpu_choice
 
 
-def resolve_backend(name: str, platform: str | None = None, te: bool | None = None) -> str:
+def resolve_backend(name: str, platform: str | None = None, te: bool | None = None, fp8: bool = False) -> str:
     """The grouped-matmul backend ``moe_matmul`` names: ``auto`` is te on GPU, else blocked
-    (XLA:GPU expands ragged_dot densely over the experts), ragged_dot on TPU, blocked on CPU."""
+    (XLA:GPU expands ragged_dot densely over the experts), ragged_dot on TPU, blocked on CPU.
+    With FP8 (``fp8``: ``quantization`` on) ``auto`` is blocked everywhere: the only backend
+    with FP8 GEMMs (``config.check_rules`` refuses the others by name)."""
+    if fp8 and name == "auto":
+        return "blocked"
     return _resolve_auto(name, platform, te, "blocked", "ragged_dot", "blocked")
 
 
@@ -146,7 +151,9 @@ def resolve_exchange(name: str, platform: str | None = None, te: bool | None = N
 def check_backend(config: Config, platform: str) -> None:
     """Fail early, saying what to install or choose instead, when the chosen backend or
     expert-parallel exchange cannot run here."""
-    if resolve_backend(config.moe_matmul, platform) == "te" and (reason := transformer_engine_error()):
+    if resolve_backend(config.moe_matmul, platform, fp8=config.quantization != "none") == "te" and (
+        reason := transformer_engine_error()
+    ):
         raise ConfigError(
             f"config key 'moe_matmul': 'te' needs Transformer Engine for JAX, which does not import here ({reason}); "
             "install requirements-gpu.txt in a CUDA image (docker/Dockerfile.gpu) or choose blocked/ragged_dot"
@@ -163,7 +170,7 @@ def check_backend(config: Config, platform: str) -> None:
             f"here ({reason}); install requirements-gpu.txt in a CUDA image (docker/Dockerfile.gpu) or choose "
             "ragged_all_to_all/all_to_all/allgather"
         )
-    blocked = resolve_backend(config.moe_matmul, platform) == "blocked"
+    blocked = resolve_backend(config.moe_matmul, platform, fp8=config.quantization != "none") == "blocked"
     if exchange == "te" and blocked and ALIGN_ROWS % config.moe_min_block_rows:
         raise ConfigError(
             f"config key 'moe_min_block_rows': must divide {ALIGN_ROWS} (moe_ep_comm=te pads each expert's "
@@ -202,14 +209,18 @@ def routed_experts(
 def _routed_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config: Config) -> jax.Array:
     if config.capacity_factor > 0:
         return combine(capacity_experts(x_TD, experts_TK, wi_0, wi_1, wo, config.capacity_factor), weights_TK)
-    backend = resolve_backend(config.moe_matmul)
+    backend = resolve_backend(config.moe_matmul, fp8=config.quantization != "none")
     local_experts = partial(swiglu_experts, backend=backend)
     axis = expert_axis()
     if axis is None:
-        return local_experts(x_TD, experts_TK, None, weights_TK, wi_0, wi_1, wo, config)
+        return local_experts(dispatch_quantized(x_TD, config), experts_TK, None, weights_TK, wi_0, wi_1, wo, config)
     exchange = resolve_exchange(config.moe_ep_comm)
     if exchange == "te":
         from MaxText.moe.te_exchange import te_experts
+
+        # Transformer Engine's NCCL EP dispatch carries the activation dtype: with FP8 the rows
+        # are quantized as the other exchanges send them, and travel in it (exact for mxfp8).
+        x_TD = dispatch_quantized(x_TD, config)
 
         return te_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, BACKENDS[backend], axis)
     args = (x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis)

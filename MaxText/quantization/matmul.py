@@ -1,0 +1,124 @@
+"""FP8 GEMMs with their gradients: forward, input gradient and weight gradient all take FP8
+operands, each quantized along that GEMM's own contraction dimension.
+
+For ``y = x @ w`` (x [M, K] activations, w [K, N] a weight, g = dL/dy; M the tokens):
+
+    forward         y  = Q(x; along K)   @ W(w; along K)     1 x b tiles; weight blocks
+    input gradient  dx = Q(g; along N)   @ W(w; along N)^T   1 x b tiles; weight blocks
+    weight gradient dw = Q(x; along M)^T @ Q(g; along M)     b x 1 tiles: the tokens contract
+
+``W`` is the weight's quantization: 2-D ``b x b`` blocks for ``fp8_blockwise`` (one copy serves
+both GEMMs, as DeepSeek-V3 does), 1-D blocks along the contracted dimension for ``mxfp8`` (a
+row-wise and a column-wise copy, each from the high-precision weight, as Transformer Engine
+does). Every quantized copy is made from the high-precision tensor. The gradient is
+straight-through: clipping at 448 passes gradients unchanged.
+
+Execution (``fp8_gemm``, the recipe's ``gemm``):
+
+- ``emulate``: ``fp8_gemm`` multiplies the dequantized operands in float32 (``precision=HIGHEST``,
+  accumulating in float32 throughout: the report promotes partial sums to float32 every 128
+  elements of K, tensor cores accumulate with a few bits less). The exact FP8 numerics, on any
+  platform; the path on CPU, for ``fp8_blockwise`` everywhere (cuDNN has no 2-D weight blocks),
+  and the reference the fused kernels are checked against (``tools/gpu_check.sh``).
+- ``cudnn`` (``mxfp8`` on GPU, the default there): ``mx_gemm`` feeds the same quantizer's E4M3
+  values and E8M0 scales to cuDNN's block-scaled GEMM (Blackwell tensor cores). The tokens are
+  flattened for it, so the weight gradient's tiles run along the flattened tokens (the same
+  tiles as emulation's when the sequence is a multiple of the block).
+
+Shape legend: M rows (tokens), L leading dims (the tokens unflattened), K contracted, N output
+features.
+"""
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from MaxText.quantization.quantize import Recipe, fake_quantize, quantize
+
+
+def weight_axis(recipe: Recipe, contracted: int) -> int | tuple[int, int]:
+    """How a 2-D weight [K, N] is blocked for a GEMM contracting its axis ``contracted``."""
+    return (0, 1) if recipe.weight_blocks_2d else contracted
+
+
+def fp8_gemm(a_MK: jax.Array, b_KN: jax.Array) -> jax.Array:
+    """The float32 GEMM of two already-dequantized operands (emulation)."""
+    return jnp.matmul(a_MK, b_KN, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def mx_operand(x_RK: jax.Array, recipe: Recipe) -> tuple[jax.Array, jax.Array]:
+    """An operand for ``mx_gemm``, rows x K (leading dims allowed): ``quantize`` along K, padded
+    with zeros to whole blocks, the scales as E8M0. Quantize a weight once per layer and direction
+    and index it, not once per GEMM."""
+    pad = -x_RK.shape[-1] % recipe.block
+    if pad:
+        x_RK = jnp.pad(x_RK, [(0, 0)] * (x_RK.ndim - 1) + [(0, pad)])
+    values, scales = quantize(x_RK, recipe, -1)
+    return values, jax.lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu)
+
+
+def mx_gemm(a_MK, b_NK, recipe: Recipe) -> jax.Array:
+    """``a @ b^T`` [M, N] in float32 by cuDNN's block-scaled GEMM (``jax.nn.scaled_matmul``, XLA's
+    ``__op$block_scaled_dot``; GPU only), E4M3 values with E8M0 scales. Each operand is an array
+    (quantized here, ``mx_operand``) or an ``mx_operand`` already."""
+    (a, sa), (b, sb) = (t if isinstance(t, tuple) else mx_operand(t, recipe) for t in (a_MK, b_NK))
+    out = jax.nn.scaled_matmul(a[None], b[None], sa[None], sb[None], preferred_element_type=jnp.float32)
+    return out[0]
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def fp8_matmul(x_LK: jax.Array, w_KN: jax.Array, recipe: Recipe) -> jax.Array:
+    """``x @ w`` with FP8 operands in all three GEMMs; the result in x's dtype. x has one or more
+    leading dims (``L``: tokens, e.g. batch and sequence, kept apart so that their sharding is
+    untouched); the weight gradient contracts all of them, its tiles running along the last
+    (consecutive tokens of a sequence: the flattened tokens' tiles when it is a multiple of the
+    block)."""
+    return _fp8_matmul_fwd(x_LK, w_KN, recipe)[0]
+
+
+def _tokens_contracted(a_LX: jax.Array, b_LY: jax.Array) -> jax.Array:
+    """``sum over every leading dim of a[..., x] b[..., y]`` in float32: [X, Y]."""
+    lead = tuple(range(a_LX.ndim - 1))
+    dims = ((lead, lead), ((), ()))
+    return jax.lax.dot_general(
+        a_LX, b_LY, dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+    )
+
+
+def _fp8_matmul_fwd(x_LK, w_KN, recipe):
+    if recipe.gemm == "cudnn":  # the tokens flattened: [M, K] x [N, K]
+        y = mx_gemm(x_LK.reshape(-1, x_LK.shape[-1]), w_KN.T, recipe).reshape(*x_LK.shape[:-1], -1)
+    else:
+        y = fp8_gemm(fake_quantize(x_LK, recipe, -1), fake_quantize(w_KN, recipe, weight_axis(recipe, 0)))
+    return y.astype(x_LK.dtype), (x_LK, w_KN)
+
+
+def _fp8_matmul_bwd(recipe, residuals, g_LN):
+    x_LK, w_KN = residuals
+    if recipe.gemm == "cudnn":
+        x_MK, g_MN = x_LK.reshape(-1, x_LK.shape[-1]), g_LN.reshape(-1, g_LN.shape[-1])
+        dx = mx_gemm(g_MN, w_KN, recipe).reshape(x_LK.shape)
+        dw = mx_gemm(x_MK.T, g_MN.T, recipe)  # the tokens contract: 32 x 1 tiles
+    else:
+        w_for_dx = fake_quantize(w_KN, recipe, weight_axis(recipe, 1))
+        dx = fp8_gemm(fake_quantize(g_LN, recipe, -1), w_for_dx.T)
+        dw = _tokens_contracted(fake_quantize(x_LK, recipe, -2), fake_quantize(g_LN, recipe, -2))
+    return dx.astype(x_LK.dtype), dw.astype(w_KN.dtype)
+
+
+fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
+
+
+def linear(x: jax.Array, w: jax.Array, recipe: Recipe | None, contract: int = 1) -> jax.Array:
+    """Contract x's last ``contract`` dims with w's first ``contract`` dims (every projection of
+    the model has this form: ``bsd,df->bsf``, ``bsr,rhk->bshk``, ``bshv,hvd->bsd``). With a recipe
+    it runs as one FP8 GEMM over the flattened contracted dims, [..., K] x [K, N] (the weights'
+    2-D layout in DeepSeek's released FP8 checkpoints, so their 128 x 128 blocks are the same)."""
+    if recipe is None:
+        return jnp.tensordot(x, w, axes=contract)
+    lead, out = x.shape[: x.ndim - contract], w.shape[contract:]
+    K = math.prod(w.shape[:contract])
+    y = fp8_matmul(x.reshape(*lead, K), w.reshape(K, -1), recipe)
+    return y.reshape(*lead, *out)
