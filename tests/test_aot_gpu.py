@@ -15,7 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from MaxText.aot.hlo_stats import Instr, collective_bytes, custom_call_flops, replica_groups, tuple_elements
+from MaxText.aot.hlo_stats import (
+    Instr,
+    collective_bytes,
+    custom_call_flops,
+    element_type,
+    replica_groups,
+    tuple_elements,
+)
 from MaxText.aot.overlap import overlap
 from MaxText.aot.targets import TARGETS
 from MaxText.config import load_config
@@ -133,6 +140,9 @@ def test_async_starts_count_their_result_not_the_operand_pair():
         "r", "((bf16[9,8]{1,0}, bf16[20,8]{1,0}, s64[4]{0}), bf16[20,8]{1,0})", "ragged-all-to-all-start", ""
     )
     assert collective_bytes(ragged, {}) == ("ragged-all-to-all", 2 * 20 * 8)
+    assert [element_type(i) for i in (gather, scatter, ragged)] == ["bf16", "f32", "bf16"]
+    fp8_bytes = Instr("q", "((u8[9,8]{1,0}, u8[20,8]{1,0}, s64[4]{0}), u8[20,8]{1,0})", "ragged-all-to-all-start", "")
+    assert element_type(fp8_bytes) == "u8"
     assert collective_bytes(Instr("d", "bf16[20,8]{1,0}", "all-gather-done", "%ag)"), {}) is None
     assert tuple_elements("(a[1]{0}, (b[2]{0}, c[3]{0}))") == ["a[1]{0}", "(b[2]{0}, c[3]{0})"]
 

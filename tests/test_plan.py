@@ -151,6 +151,30 @@ def test_pipeline_layouts_are_modelled_but_not_runnable(v3):
         layout.overlay()
 
 
+def test_fp8_is_planned_as_the_repository_runs_it(v3):
+    """This repository's FP8 is emulated: the GEMMs at the bf16 rate, quantization passes on top,
+    and, where the exchange is XLA's, the forward dispatch (and its rerun) in FP8 bytes."""
+    system, layout = SYSTEMS["gb200-nvl72"], ours(64, 4, remat="minimal")
+    bf16 = estimate(v3, layout, system, TE)
+    emulated = estimate(v3, layout, system, TE, "mxfp8", fp8_kernels="emulated")
+    fused = estimate(v3, layout, system, TE, "mxfp8")
+    assert emulated.runnable and not fused.runnable and "emulated" in fused.not_runnable_reason()
+    blockwise = estimate(v3, layout, system, TE, "fp8", fp8_kernels="emulated")
+    assert not blockwise.runnable and "float32" in blockwise.not_runnable_reason()
+    for kind in ("dense", "grouped", "attention", "elementwise"):
+        assert emulated.math[kind] == bf16.math[kind]
+    assert emulated.math["quantize"] > 0 and emulated.step_time > bf16.step_time
+    assert emulated.mfu == pytest.approx(emulated.tflops * 1e12 / system.peak_flops("bf16"))
+    # TE's NCCL EP moves bf16; XLA's exchange (the jax-baseline stack) moves the two forward
+    # dispatch passes of five as 1 + 1/32 bytes per element
+    assert emulated.comms[0].bytes_nvlink == bf16.comms[0].bytes_nvlink
+    xla = STACKS["jax-baseline"]
+    plain, fp8 = (estimate(v3, layout, system, xla, p, fp8_kernels="emulated") for p in ("bf16", "mxfp8"))
+    ratio = fp8.comms[0].bytes_nvlink / plain.comms[0].bytes_nvlink
+    assert ratio == pytest.approx((2 * (1 + 1 / 32) + 3 * 2) / (5 * 2))
+    assert fp8.memory["buffers"] > plain.memory["buffers"]  # the dequantized weight copies
+
+
 def test_search_winner_is_legal_for_the_repository(v3):
     result = search(v3, SYSTEMS["gb300-nvl72"], TE, 1024, 4096, pipeline=False)
     winner = result.ranked[0]

@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from MaxText.quantization import Recipe, dequantize, fp8_matmul, quantize
+from MaxText.quantization import Recipe, dequantize, fake_quantize, fp8_matmul, quantize
 from MaxText.quantization.matmul import linear
 
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -26,6 +26,7 @@ def reference_block(block: np.ndarray, recipe: Recipe) -> tuple[np.ndarray, floa
     if not math.isfinite(amax):
         return np.full(block.shape, np.nan, np.float32), math.nan
     if recipe.name == "fp8_blockwise":
+        amax = amax and max(amax, 448.0 * 2.0**-126)  # a scale in float32's normal range
         scale = 1.0 if amax == 0 else float(np.float32(np.float32(amax) / np.float32(448.0)))
     elif amax == 0:
         scale = 2.0**-127
@@ -72,8 +73,9 @@ def scale_values(scales: jax.Array, recipe: Recipe) -> np.ndarray:
 
 def edge_blocks(block: int) -> np.ndarray:
     """Rows of one block each: random, all zero, FP8 subnormals next to 448, the largest float32,
-    1e-6 mixed with 1e3, an amax whose mantissa is above 1.75 (where the MX rules differ), and
-    an amax exactly 448 times a power of two."""
+    1e-6 mixed with 1e3, an amax whose mantissa is above 1.75 (where the MX rules differ), an
+    amax exactly 448 times a power of two, and a block of zeros and values near float32's
+    smallest normal (whose scale would leave float32's range: 448 / amax overflows)."""
     rng = np.random.default_rng(0)
     rows = [rng.normal(size=block) * 3, np.zeros(block)]
     sub = np.full(block, 2.0**-8)
@@ -85,6 +87,9 @@ def edge_blocks(block: int) -> np.ndarray:
     exact = rng.uniform(-1, 1, size=block)
     exact[3] = 448.0 * 2.0**-3
     rows.append(exact)
+    tiny = np.zeros(block)
+    tiny[:3] = 1e-37, -3e-38, 2.5e-37
+    rows.append(tiny)
     return np.stack(rows).astype(np.float32)
 
 
@@ -100,6 +105,8 @@ def test_quantize_matches_the_written_out_reference_on_edge_blocks(recipe):
     # No value overflows, but at float32's largest (row 3), where an MX value rounding up to a
     # power of two lands past float32's range when dequantized: the reference says the same.
     assert np.all(np.isfinite(np.delete(want, 3, axis=0)))
+    # Values near float32's smallest normal keep their values, their zeros stay zeros (no NaN).
+    np.testing.assert_allclose(want[-1], x[-1], rtol=2.0**-4, atol=0)
 
 
 def test_the_two_mx_rules_differ_only_where_the_amax_mantissa_exceeds_1_75():
@@ -187,6 +194,26 @@ def test_each_fp8_gemm_equals_the_float32_gemm_of_its_dequantized_operands(recip
     # under 2 x 2^-4 (two operands, each element within 2^-4).
     for got, want in ((y, _gemm(x, w)), (dx, _gemm(g, w.T)), (dw, _gemm(x.T, g))):
         assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 2 * 2.0**-4
+
+
+def test_mx_operands_are_exact_in_bfloat16_as_gpus_take_them():
+    """On a GPU the emulated MX GEMMs take bfloat16 operands (bfloat16 tensor cores): the same
+    values as float32's, so the GEMM differs only in the order of its float32 sums."""
+    on_gpu = Recipe("mxfp8", 32, operands="bfloat16")
+    kx, kw, kg = jax.random.split(jax.random.key(2), 3)
+    x, w = jax.random.normal(kx, (96, 160)) * 3, jax.random.normal(kw, (160, 64)) * 0.02
+    g = jax.random.normal(kg, (96, 64)) * 1e-5
+    for t, axis in ((x, 1), (x, 0), (w, 0), (g, 0)):
+        narrow = fake_quantize(t, on_gpu, axis)
+        assert narrow.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(narrow.astype(jnp.float32), fake_quantize(t, MX_CEIL, axis))
+    got = jax.vjp(lambda x, w: fp8_matmul(x, w, on_gpu), x, w)
+    want = jax.vjp(lambda x, w: fp8_matmul(x, w, MX_CEIL), x, w)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6 * float(jnp.abs(want[0]).max()))
+    for a, b in zip(got[1](g), want[1](g), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.abs(b).max()))
+    with pytest.raises(ValueError, match="not exact in bfloat16"):
+        fake_quantize(x, Recipe("fp8_blockwise", 128, operands="bfloat16"), 1)
 
 
 @pytest.mark.parametrize("recipe", [BLOCKWISE, MX_CEIL], ids=lambda r: r.name)

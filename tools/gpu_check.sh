@@ -2,7 +2,8 @@
 # One prepared GPU check, for a bare single-GPU machine with JAX (CUDA) preinstalled; under 8 minutes.
 #   1. installs what the CPU requirements add on top of JAX, from ./wheels if present (offline), else the index;
 #   2. times one MoE layer in bfloat16: the dropless backends against the dense ceiling and the capacity baseline;
-#   3. trains the tiny model for 60 steps on the GPU (synthetic data: no dataset packages needed).
+#   3. runs the FP8 GEMMs in every execution the GPU has against the emulation (tools/fp8_gemm_check.py);
+#   4. trains the tiny model for 60 steps on the GPU (synthetic data: no dataset packages needed).
 # Figures go to stdout and, as files, to $OUT (default: outputs/gpu-check).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +37,14 @@ import json; r = json.load(open('$OUT/bench_moe.json'))
 print(r['device'], r['shape'])
 for c in r['cases']:
     print(f\"{c['routing']:>11} {c['impl']:>11} {c['time_s']*1e3:9.2f} ms  ratio {c['ceiling_ratio']:.3f}  dropped {c['dropped_tokens']}\")
+"
+
+echo "== FP8 GEMMs against the emulation (forward, input and weight gradient; ratio = bfloat16 GEMM time / case's)"
+timeout 180 $PY tools/fp8_gemm_check.py --json > "$OUT/fp8_gemm_check.json" && $PY -c "
+import json; r = json.load(open('$OUT/fp8_gemm_check.json'))
+print(r['device'], r['shape'])
+for c in r['cases']:
+    print(c['case'], (f\"{c['time_s']*1e3:.2f} ms ratio {c['bf16_gemm_time_ratio']:.3f} max rel diff {c['max_rel_diff_y_dx_dw']}\" if c['ran'] else c['why']))
 "
 
 echo "== deepseek3-tiny, 60 steps"

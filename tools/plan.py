@@ -44,6 +44,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--system", choices=sorted(SYSTEMS))
     p.add_argument("--gpus", type=int)
     p.add_argument("--precision", choices=PRECISIONS, default="bf16", help="GEMM precision (attention stays bf16)")
+    p.add_argument(
+        "--fp8-kernels",
+        choices=("emulated", "fused"),
+        default="emulated",
+        help="how FP8 GEMMs run: this repository's emulation (the default), or fused FP8 kernels as published",
+    )
     p.add_argument("--stack", choices=sorted(STACKS), default=DEFAULT_STACK, help="software stack to model")
     p.add_argument("--arch", choices=ARCHS, help="a model the config cannot express (the planner's own description)")
     p.add_argument("--seq", type=int, default=4096, help="sequence length of an --arch model")
@@ -126,7 +132,17 @@ def run(args: argparse.Namespace) -> dict:
     else:
         if spec.config is None:
             raise ConfigError("arguments: --arch models are costed with a given layout (--tp/--pp/--ep), not searched")
-        result = search(spec, system, stack, args.gpus, gbs, args.precision, config.moe_ep_buffer_factor, args.pipeline)
+        result = search(
+            spec,
+            system,
+            stack,
+            args.gpus,
+            gbs,
+            args.precision,
+            config.moe_ep_buffer_factor,
+            args.pipeline,
+            args.fp8_kernels,
+        )
         out = {
             "ranked": [e.as_dict() for e in result.ranked[: args.top]],
             "rejected": result.rejected,
@@ -138,7 +154,9 @@ def run(args: argparse.Namespace) -> dict:
         if result.pipelined and result.ranked:
             out["pipeline_gain"] = result.pipelined.tflops / result.ranked[0].tflops - 1
         return out
-    est = estimate(spec, layout, system, stack, args.precision, config.moe_ep_buffer_factor)
+    est = estimate(
+        spec, layout, system, stack, args.precision, config.moe_ep_buffer_factor, fp8_kernels=args.fp8_kernels
+    )
     out = est.as_dict()
     out["text"] = render_estimate(est)
     if layout.runnable:

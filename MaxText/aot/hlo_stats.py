@@ -116,6 +116,8 @@ class HloStats:
     by_op: dict[str, float] = field(default_factory=dict)  # "kind of JAX primitive" ("all-gather of top_k") -> bytes
     uncounted: dict[str, int] = field(default_factory=dict)  # custom-call target -> calls whose FLOPs are not counted
     flops_by_scope: dict[str, float] = field(default_factory=dict)  # named scope -> its matmul FLOPs
+    # "kind of dtype" ("ragged-all-to-all of u8") -> {"count", "bytes"}: FP8 moves as bytes (u8)
+    by_dtype: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def parse_computations(text: str) -> dict[str, list[Instr]]:
@@ -319,6 +321,14 @@ def collective_bytes(instr: Instr, types: dict[str, str]) -> tuple[str, float] |
     return kind, shape_bytes(parts[1] if kind == "collective-permute" else parts[-1])
 
 
+def element_type(instr: Instr) -> str:
+    """The element type a collective moves (its result's; an async start's received part)."""
+    parts = tuple_elements(instr.result)
+    received = parts[1 if instr.opcode == "collective-permute-start" else -1] if len(parts) > 1 else instr.result
+    m = re.match(r"\s*\(*\s*(\w+)\[", received)
+    return m.group(1) if m else "?"
+
+
 def op_name(instr: Instr) -> str:
     m = re.search(r'op_name="([^"]*)"', instr.rest)
     return m.group(1) if m else ""
@@ -339,6 +349,7 @@ def hlo_stats(
     by_op: dict[str, float] = {}
     uncounted: dict[str, int] = {}
     by_scope = dict.fromkeys(scopes, 0.0)
+    by_dtype: dict[str, dict[str, float]] = {}
     # XLA:CPU prints fused matmuls (and often their fusions) without an op name: they take the
     # nearest caller's that has one (a loop's, for a flash attention block)
     callers = {
@@ -378,9 +389,12 @@ def hlo_stats(
             entry = by_axes.setdefault(key, {"count": 0, "bytes": 0.0})
             entry["count"] += times
             entry["bytes"] += times * nbytes
+            entry = by_dtype.setdefault(f"{kind} of {element_type(instr)}", {"count": 0, "bytes": 0.0})
+            entry["count"] += times
+            entry["bytes"] += times * nbytes
             op = op_name(instr)
             largest.append((kind, nbytes, op))
             primitive = f"{kind} of {(op or '?').rsplit('/', 1)[-1]}"
             by_op[primitive] = by_op.get(primitive, 0.0) + times * nbytes
     largest = sorted(largest, key=lambda x: -x[1])[:LARGEST]
-    return HloStats(flops, kinds, by_axes, loops, largest, by_op, uncounted, by_scope)
+    return HloStats(flops, kinds, by_axes, loops, largest, by_op, uncounted, by_scope, by_dtype)

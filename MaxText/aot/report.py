@@ -24,6 +24,7 @@ class AotReport:
     topology: str  # a GPU target's "domains x hosts x GPUs", "" on CPU
     mesh: dict[str, int]
     dtype: str
+    quantization: str  # the FP8 recipe of the linear GEMMs and the dispatch, or "none"
     choices: Choices  # what was compiled and what the target would run
     memory: dict[str, int]  # bytes per device
     xla_flops: float  # cost_analysis()["flops"], per device, loops counted once (0 where XLA gives none)
@@ -38,6 +39,7 @@ class AotReport:
     loops: list[tuple[str, int]]
     largest_collectives: list[tuple[str, float, str]]  # (kind, bytes, JAX op), biggest first
     collectives_by_op: dict[str, float]  # "all-gather of top_k" -> bytes per step
+    collectives_by_dtype: dict[str, dict[str, float]]  # "ragged-all-to-all of u8" -> {"count", "bytes"}
     state_bytes: int  # the whole train state over all devices (parameter arithmetic)
     overlap: dict | None  # GPU targets: overlap.OverlapReport.as_dict()
     lower_s: float
@@ -59,7 +61,7 @@ def format_report(r: AotReport, hbm_gb: float | None, limit_gb: float | None = N
     mesh = " x ".join(f"{k} {v}" for k, v in r.mesh.items() if v > 1) or "one device"
     where = f"{r.target} target, topology {r.topology}" if r.topology else "simulated CPU devices"
     lines = [
-        f"devices {r.devices} ({where}; mesh {mesh}), dtype {r.dtype}",
+        f"devices {r.devices} ({where}; mesh {mesh}), dtype {r.dtype}, quantization {r.quantization}",
         f"compiled with attention={r.choices.attention_compiled} moe_matmul={r.choices.backend_compiled}"
         f" moe_ep_comm={r.choices.exchange_compiled}; the target runs attention: {r.choices.attention_target};"
         f" moe_matmul: {r.choices.backend_target}; moe_ep_comm: {r.choices.exchange_target}",
@@ -96,6 +98,9 @@ def format_report(r: AotReport, hbm_gb: float | None, limit_gb: float | None = N
     for kind, v in r.collectives.items():
         lines.append(f"  {kind:<42} {v['count']:6.0f} {v['bytes'] / GB:10.3f}")
     for key, v in sorted(r.collectives_by_axes.items()):
+        lines.append(f"    {key:<40} {v['count']:6.0f} {v['bytes'] / GB:10.3f}")
+    lines.append("  by element type (FP8 moves as u8):")
+    for key, v in sorted(r.collectives_by_dtype.items()):
         lines.append(f"    {key:<40} {v['count']:6.0f} {v['bytes'] / GB:10.3f}")
     lines.append("  largest single collectives:")
     for kind, nbytes, op in r.largest_collectives[:6]:

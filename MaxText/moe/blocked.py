@@ -127,7 +127,7 @@ def _mm(a, b, recipe: Recipe | None, dtype) -> jax.Array:
         return a @ b
     if recipe.gemm == "cudnn":  # b: the weight's operand, [rows, K]
         return mx_gemm(a, b, recipe).astype(dtype)
-    return fp8_gemm(a, b).astype(dtype)
+    return fp8_gemm(a, b, dtype)
 
 
 def _weight_grad(a_BI: jax.Array, g_BO: jax.Array, recipe: Recipe | None) -> jax.Array:

@@ -24,7 +24,9 @@ Passes: dispatch and combine run forward and backward (4 exchanges per MoE layer
 remat Megatron's recompute reruns both (6). This repository's exchange rematerialises its rounds
 whatever ``remat_policy`` says, and XLA reruns only the dispatch, the rerun combine's output being
 unused: 5 (XLA:GPU's compile of the 671B has 5 x 58 + 4 ragged-all-to-alls, with full and with
-minimal remat). Sharded state (FSDP) gathers the
+minimal remat). With FP8 dispatch (``dispatch_bytes``: a stack whose exchange carries it, this
+repository's ``quantization``) the forward dispatch and its rerun move FP8 values and scales
+(``quantization/dispatch.py``: 1 + 1/32 bytes per element for MX), the other three bf16. Sharded state (FSDP) gathers the
 weights forward and backward and scatters the gradients on every micro-batch; Megatron's
 distributed optimizer does so once per step. Gathers move bf16 weights. Megatron reduces fp32
 main gradients; the sharded step reduces the gradients of its bf16 weight copies in bf16 (the
@@ -95,7 +97,10 @@ def vocab_group_size(spec: ModelSpec, layout: Layout) -> int:
     return layout.size(*group) if group else 1
 
 
-def collectives(spec: ModelSpec, layout: Layout, system: System, stack: Stack) -> list[Collective]:
+def collectives(
+    spec: ModelSpec, layout: Layout, system: System, stack: Stack, dispatch_bytes: float | None = None
+) -> list[Collective]:
+    """Every collective of a step; ``dispatch_bytes``: bytes per element of an FP8 dispatch."""
     out: list[Collective] = []
     tokens = layout.gbs * spec.seq_len / layout.num_gpus  # per GPU per step
     sharded = stack.state == "sharded"
@@ -104,13 +109,15 @@ def collectives(spec: ModelSpec, layout: Layout, system: System, stack: Stack) -
     D, K, ep = spec.d_model, spec.top_k, layout.ep
     in_domain = layout.local(*layout.ep_axes)
     eff = stack.dispatch_efficiency
+    fp8_passes = 2 if dispatch_bytes and sharded else 0  # the forward dispatch and its rerun
+    exchanged = ACTIVATION_BYTES * (passes - fp8_passes) + (dispatch_bytes or 0.0) * fp8_passes  # bytes x passes
     if ep > 1:
         if stack.exchange == "allgather":
-            B = tokens * spec.moe_layers * ep * D * ACTIVATION_BYTES  # whole gathered token set
-            nvl, net, _ = _gather(B, layout, layout.ep_axes, system, passes)
+            B = tokens * spec.moe_layers * ep * D * exchanged  # whole gathered token set, every pass
+            nvl, net, _ = _gather(B, layout, layout.ep_axes, system, 1)
             seconds = link_seconds(nvl, net, system, eff)
         else:
-            sent = tokens * spec.moe_layers * K * D * ACTIVATION_BYTES * passes
+            sent = tokens * spec.moe_layers * K * D * exchanged
             nvl, net = exchange_link_bytes(sent, in_domain, ep)
             seconds = exchange_seconds(nvl, net, system, eff)
         out.append(Collective("dispatch/combine", "dispatch", nvl, net, seconds))

@@ -8,11 +8,18 @@ the precision's peak (FP8 for fp8 and mxfp8); attention cores run in BF16 at eve
 up on systems with faster softmax exponentials. Non-GEMM kernels stream the activations through
 HBM ``ELEMENTWISE_PASSES`` times. Host time is launch and synchronisation time a stack without CUDA
 graphs spends per layer per micro-batch.
+
+FP8 comes in two forms (``fp8_kernels``). ``fused``: the GEMMs run on FP8 tensor cores at the FP8
+row of ``GEMM_EFFICIENCY`` (what the published FP8 runs did; the calibration). ``emulated``: this
+repository's FP8 path (``quantization/``): every GEMM operand is quantized and dequantized by XLA
+(``QUANTIZE_BYTES`` per element: the inputs and the output gradients of each quantized GEMM twice,
+``fp8_gemm_io`` elements per token, and each weight once per direction per micro-batch), and the
+GEMMs run at the bfloat16 rate (MX operands are exact in bfloat16).
 """
 
 from __future__ import annotations
 
-from MaxText.planner.constants import ACTIVATION_BYTES, ELEMENTWISE_PASSES, GEMM_EFFICIENCY, Stack
+from MaxText.planner.constants import ACTIVATION_BYTES, ELEMENTWISE_PASSES, GEMM_EFFICIENCY, QUANTIZE_BYTES, Stack
 from MaxText.planner.layout import Layout
 from MaxText.planner.model import ModelSpec
 from MaxText.planner.systems import System
@@ -26,21 +33,30 @@ def model_flops_per_gpu(spec: ModelSpec, layout: Layout) -> float:
     return layout.gbs * spec.seq_len * spec.flops_per_token / layout.num_gpus
 
 
-def math_times(spec: ModelSpec, layout: Layout, system: System, stack: Stack, precision: str) -> dict[str, float]:
-    """Seconds per step by kernel class: dense, grouped, attention (GEMMs), elementwise, host."""
+def math_times(
+    spec: ModelSpec, layout: Layout, system: System, stack: Stack, precision: str, fp8_kernels: str = "fused"
+) -> dict[str, float]:
+    """Seconds per step by kernel class: dense, grouped, attention (GEMMs), elementwise, host, and
+    the quantization passes of emulated FP8."""
     tokens = layout.gbs * spec.seq_len / layout.num_gpus
     extra = 1.0 + RECOMPUTE[layout.remat]
-    row = "bf16" if precision == "bf16" else "fp8"
+    emulated = precision != "bf16" and fp8_kernels == "emulated"
+    gemm_precision = "bf16" if emulated else precision
+    row = "bf16" if gemm_precision == "bf16" else "fp8"
     times = {}
     for kind, flops in spec.flops.items():
         efficiency = GEMM_EFFICIENCY[kind][row]
         if kind == "attention":
             rate = system.peak_flops("bf16") * system.attention_speedup * efficiency
         else:
-            rate = system.peak_flops(precision) * efficiency * (stack.grouped_scale if kind == "grouped" else 1.0)
+            rate = system.peak_flops(gemm_precision) * efficiency * (stack.grouped_scale if kind == "grouped" else 1.0)
         times[kind] = tokens * flops * extra / rate
     times["elementwise"] = tokens * spec.act_none * ACTIVATION_BYTES * ELEMENTWISE_PASSES * extra / system.hbm_bw
     times["host"] = layout.microbatches * (spec.layers / layout.pp) * stack.host_s_per_layer
+    if emulated:
+        weights = spec.params_dense / (layout.tp * layout.pp) + spec.params_expert / layout.expert_shards
+        moved = 2 * tokens * spec.fp8_gemm_io * extra + 2 * weights * layout.microbatches
+        times["quantize"] = moved * QUANTIZE_BYTES / system.hbm_bw
     return times
 
 

@@ -35,6 +35,9 @@ ELEMENTWISE_PASSES = 10.0
 COLLECTIVE_EFFICIENCY = 0.8
 # Set: bytes per element of kept activations and exchanged tokens (bf16).
 ACTIVATION_BYTES = 2
+# Set: HBM bytes per element one emulated FP8 quantization moves (quantization/quantize.py): read
+# bf16 for the block's amax, read it again and write the dequantized bf16 operand.
+QUANTIZE_BYTES = 6
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,8 @@ class Stack:
     dp_overlap: float  # fraction of the last micro-batch's compute that hides the once-per-step gradient sync
     grouped_scale: float  # grouped GEMM speed relative to a fused grouped GEMM kernel
     host_s_per_layer: float  # host launch / synchronisation seconds per layer per micro-batch
+    fp8_dispatch: bool  # with FP8, the dispatch moves FP8 values + scales (XLA's collectives, this
+    #                     repository's exchange); False where the exchange kernel moves bf16
     usable_hbm: float  # fraction of HBM the framework can use: JAX preallocates 0.9
     #                    (XLA_PYTHON_CLIENT_MEM_FRACTION in the recipes); PyTorch's caching allocator
     #                    leaves about 3% to the CUDA context and NCCL
@@ -73,6 +78,7 @@ STACKS: dict[str, Stack] = {
             dp_overlap=0.5,  # set
             grouped_scale=1.0,
             host_s_per_layer=0.0,  # CUDA graphs
+            fp8_dispatch=False,  # modelled in bf16, as the calibration was fitted
             usable_hbm=0.97,
         ),
         Stack(
@@ -88,6 +94,7 @@ STACKS: dict[str, Stack] = {
             dp_overlap=0.5,
             grouped_scale=1.0,
             host_s_per_layer=0.011,  # fitted: Megatron-Core GB200 MXFP8 baseline, 494 TFLOPS/GPU
+            fp8_dispatch=False,
             usable_hbm=0.97,
         ),
         Stack(
@@ -103,6 +110,7 @@ STACKS: dict[str, Stack] = {
             dp_overlap=0.5,
             grouped_scale=1.0,
             host_s_per_layer=0.0,  # XLA command buffers
+            fp8_dispatch=False,  # TE's NCCL EP moves the quantized tokens in bf16
             usable_hbm=0.9,
         ),
         Stack(
@@ -118,6 +126,7 @@ STACKS: dict[str, Stack] = {
             dp_overlap=0.5,
             grouped_scale=0.75,  # fitted (see dispatch_efficiency)
             host_s_per_layer=0.0,
+            fp8_dispatch=True,
             usable_hbm=0.9,
         ),
     )

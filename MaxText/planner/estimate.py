@@ -10,7 +10,7 @@
     bubble   = (pp - 1) / (vpp x m)                              (interleaved 1F1B, m micro-batches)
 
 TFLOPS/GPU are model FLOPs (Megatron's count, ``model.py``) over the step time; MFU divides by the
-precision's dense peak. ``comm_fraction`` is communication over communication + compute kernel
+precision's dense peak (bf16's for emulated FP8, whose GEMMs run in bf16). ``comm_fraction`` is communication over communication + compute kernel
 time, overlapped or not (the "share of accumulated kernel time" NVIDIA quotes). Scaling efficiency
 compares TFLOPS/GPU with the same layout restricted to one NVLink domain (its ``ici`` part, the
 per-GPU batch unchanged), whether or not the model would fit there.
@@ -22,11 +22,22 @@ from dataclasses import dataclass, replace
 
 from MaxText.planner.comms import Collective, collectives
 from MaxText.planner.compute import math_times, model_flops_per_gpu, optimizer_time
-from MaxText.planner.constants import Stack
+from MaxText.planner.constants import ACTIVATION_BYTES, Stack
 from MaxText.planner.layout import Layout
 from MaxText.planner.memory import memory_per_gpu
 from MaxText.planner.model import ModelSpec
 from MaxText.planner.systems import System
+
+OCP_MX_BLOCK = 32  # the MX block of a model without a config (the OCP specification's)
+
+
+def mx_dispatch_bytes(spec: ModelSpec) -> float:
+    """Bytes per element this repository's MX dispatch moves (``quantization/dispatch.py``)."""
+    from MaxText.quantization.dispatch import dispatch_bytes_per_element
+    from MaxText.quantization.quantize import Recipe
+
+    block = spec.config.mxfp8_block if spec.config is not None else OCP_MX_BLOCK
+    return dispatch_bytes_per_element(Recipe("mxfp8", block), ACTIVATION_BYTES)
 
 
 @dataclass(frozen=True)
@@ -35,6 +46,7 @@ class Estimate:
     system: System
     stack: Stack
     precision: str
+    fp8_kernels: str  # "fused" (FP8 tensor cores, as published) or "emulated" (this repository's FP8)
     memory: dict[str, float]
     math: dict[str, float]
     comms: list[Collective]
@@ -51,7 +63,12 @@ class Estimate:
 
     @property
     def mfu(self) -> float:
-        return self.tflops * 1e12 / self.system.peak_flops(self.precision)
+        return self.tflops * 1e12 / self.system.peak_flops(self.gemm_precision)
+
+    @property
+    def gemm_precision(self) -> str:
+        """The tensor cores' precision: emulated FP8 multiplies bfloat16 operands."""
+        return "bf16" if self.fp8_kernels == "emulated" else self.precision
 
     @property
     def compute_time(self) -> float:
@@ -68,15 +85,25 @@ class Estimate:
 
     @property
     def runnable(self) -> bool:
-        return self.layout.runnable and self.stack.runs_here and self.precision == "bf16"
+        return self.layout.runnable and self.stack.runs_here and self.precision in self.precisions_here
+
+    @property
+    def precisions_here(self) -> tuple[str, ...]:
+        """What this repository runs: bf16, and mxfp8 as emulation (its blockwise FP8 emulates in
+        float32: numerics only, no speed to plan for)."""
+        return ("bf16", "mxfp8") if self.fp8_kernels == "emulated" else ("bf16",)
 
     def not_runnable_reason(self) -> str | None:
         if self.layout.pp > 1:
             return "pipeline parallelism is not implemented in this repository"
         if not self.stack.runs_here:
             return f"stack '{self.stack.name}' is not this repository's"
-        if self.precision != "bf16":
-            return "this repository has no FP8 training path yet"
+        if self.precision not in self.precisions_here:
+            if self.fp8_kernels == "fused":
+                return (
+                    "this repository's FP8 GEMMs are emulated, not fused FP8 kernels (plan with --fp8-kernels emulated)"
+                )
+            return "this repository's fp8_blockwise emulates its GEMMs in float32 (numerics only); mxfp8 is planned"
         if not self.layout.runnable:
             return "remat policy or micro-batch this repository does not have"
         return None
@@ -87,6 +114,7 @@ class Estimate:
             "system": self.system.name,
             "stack": self.stack.name,
             "precision": self.precision,
+            "fp8_kernels": self.fp8_kernels if self.precision != "bf16" else None,
             "num_gpus": self.layout.num_gpus,
             "fits": self.fits,
             "runnable": self.runnable,
@@ -117,10 +145,13 @@ class Estimate:
         }
 
 
-def _time(spec: ModelSpec, layout: Layout, system: System, stack: Stack, precision: str, state_bytes: float):
-    math = math_times(spec, layout, system, stack, precision)
+def _time(
+    spec: ModelSpec, layout: Layout, system: System, stack: Stack, precision: str, fp8_kernels: str, state_bytes: float
+):
+    math = math_times(spec, layout, system, stack, precision, fp8_kernels)
     compute = sum(math.values())
-    comms = collectives(spec, layout, system, stack)
+    fp8_dispatch = precision == "mxfp8" and stack.fp8_dispatch
+    comms = collectives(spec, layout, system, stack, mx_dispatch_bytes(spec) if fp8_dispatch else None)
     by_kind = {
         k: sum(c.seconds for c in comms if c.kind == k)
         for k in ("dispatch", "tensor", "vocab", "fsdp", "dp", "pipeline")
@@ -148,11 +179,14 @@ def estimate(
     precision: str = "bf16",
     exchange_buffer_factor: float = 2.0,
     scaling: bool = True,
+    fp8_kernels: str = "fused",
 ) -> Estimate:
-    """Cost one layout (``layout.check`` first; the sharded state raises on splits that do not divide)."""
+    """Cost one layout (``layout.check`` first; the sharded state raises on splits that do not
+    divide). ``fp8_kernels``: how FP8 precisions run (compute.py): ``fused`` FP8 tensor-core
+    kernels, as the published runs, or ``emulated``, this repository's path."""
     layout.check(spec.num_experts, spec.heads, spec.kv_heads)
-    memory = memory_per_gpu(spec, layout, stack, precision, exchange_buffer_factor)
-    math, comms, exposed, bubble, step = _time(spec, layout, system, stack, precision, memory["state"])
+    memory = memory_per_gpu(spec, layout, stack, precision, exchange_buffer_factor, fp8_kernels)
+    math, comms, exposed, bubble, step = _time(spec, layout, system, stack, precision, fp8_kernels, memory["state"])
     tflops = model_flops_per_gpu(spec, layout) / step / 1e12
     tokens_per_s = layout.gbs * spec.seq_len / layout.num_gpus / step
     scaling_efficiency = None
@@ -160,7 +194,7 @@ def estimate(
         one_domain = replace(layout, dcn={})
         one_domain = replace(one_domain, gbs=one_domain.mbs * one_domain.replicas * layout.microbatches)
         if one_domain.num_gpus < layout.num_gpus:
-            _, _, _, _, ref_step = _time(spec, one_domain, system, stack, precision, memory["state"])
+            _, _, _, _, ref_step = _time(spec, one_domain, system, stack, precision, fp8_kernels, memory["state"])
             ref_tflops = model_flops_per_gpu(spec, one_domain) / ref_step / 1e12
             scaling_efficiency = tflops / ref_tflops
         else:
@@ -170,6 +204,7 @@ def estimate(
         system,
         stack,
         precision,
+        fp8_kernels,
         memory,
         math,
         comms,

@@ -18,7 +18,8 @@ pipelining the last stage holds them but fewer micro-batches). Buffers: for this
 sharded stacks, one MoE layer's exchange buffers and expert layout as ``moe/expert_parallel.py``
 sizes them (``moe_working_bytes``: 9.4 GB per GPU on the GB200 recipe, where XLA:GPU's compile
 held 11.8 GB of them at its peak); for Megatron's, the dispatch/combine receive buffers; and, for
-sharded state, two layers of gathered weights (one computing, one prefetched).
+sharded state, two layers of gathered weights (one computing, one prefetched), plus, with emulated
+FP8, the computing layer's dequantized copies (MX: a row-wise and a column-wise one, bf16).
 """
 
 from __future__ import annotations
@@ -111,7 +112,9 @@ def activation_bytes(spec: ModelSpec, layout: Layout) -> float:
     return t * kept * ACTIVATION_BYTES + logits
 
 
-def buffer_bytes(spec: ModelSpec, layout: Layout, stack: Stack, exchange_buffer_factor: float) -> float:
+def buffer_bytes(
+    spec: ModelSpec, layout: Layout, stack: Stack, exchange_buffer_factor: float, fp8_copies: int = 0
+) -> float:
     t = layout.mbs * spec.seq_len / layout.tp
     D, K = spec.d_model, spec.top_k
     if stack.state == "sharded" and spec.config is not None and layout.ep > 1:
@@ -130,14 +133,20 @@ def buffer_bytes(spec: ModelSpec, layout: Layout, stack: Stack, exchange_buffer_
         per_layer = spec.params_dense / spec.layers / layout.tp + spec.params_expert / spec.moe_layers / (
             layout.expert_shards / layout.pp
         )
-        gathered = 2 * per_layer * ACTIVATION_BYTES
+        gathered = (2 + fp8_copies) * per_layer * ACTIVATION_BYTES
     return exchange + gathered
 
 
 def memory_per_gpu(
-    spec: ModelSpec, layout: Layout, stack: Stack, precision: str, exchange_buffer_factor: float
+    spec: ModelSpec,
+    layout: Layout,
+    stack: Stack,
+    precision: str,
+    exchange_buffer_factor: float,
+    fp8_kernels: str = "fused",
 ) -> dict[str, float]:
     """Bytes per GPU by kind, and their total (the worst pipeline stage)."""
+    fp8_copies = 2 if precision != "bf16" and fp8_kernels == "emulated" else 0
     if stack.state == "sharded":
         state = sharded_state_bytes(spec, layout)
     else:
@@ -145,7 +154,7 @@ def memory_per_gpu(
     parts = {
         "state": state,
         "activations": activation_bytes(spec, layout),
-        "buffers": buffer_bytes(spec, layout, stack, exchange_buffer_factor),
+        "buffers": buffer_bytes(spec, layout, stack, exchange_buffer_factor, fp8_copies),
     }
     parts["total"] = sum(parts.values())
     return parts

@@ -47,6 +47,9 @@ class ModelSpec:
     act_minimal: int  # elements per token kept when only matmul outputs are saved
     act_selective: int  # elements per token kept under Megatron's selective recompute (see above)
     act_layer: int  # elements per token one layer holds while it runs (the largest layer)
+    # elements per token entering or leaving the linear GEMMs FP8 quantizes (each GEMM's K + N:
+    # MLA projections, MLPs, shared and routed experts; 0 where not counted)
+    fp8_gemm_io: int = 0
     config: Config | None = None  # set for the repository's own models (exact sharding rules)
 
     @property
@@ -115,6 +118,13 @@ def from_config(config: Config) -> ModelSpec:
     dense_none, dense_min, dense_sel = _dense_act(D, c.base_mlp_dim)
     moe_layers = c.num_moe_layers + c.mtp_num_layers
     dense_layers = c.first_num_dense_layers
+    # K + N of each GEMM quantization covers (quantization/matmul.py): wq_a, wq_b, wkv_a, wkv_b, wo
+    ql, kvl = c.q_lora_rank, c.kv_lora_rank
+    q_in = (D + ql) + (ql + H * c.qk_head_dim) if ql else D + H * c.qk_head_dim
+    attn_io = q_in + (D + kvl + c.qk_rope_head_dim) + (kvl + H * (c.qk_nope_head_dim + c.v_head_dim))
+    attn_io += H * c.v_head_dim + D
+    moe_io = 3 * (D + c.base_moe_mlp_dim) * (K + c.shared_experts)  # gate, up, down per copy
+    dense_io = 3 * (D + c.base_mlp_dim)
     return ModelSpec(
         name=c.model_name,
         seq_len=c.max_target_length,
@@ -137,6 +147,7 @@ def from_config(config: Config) -> ModelSpec:
         act_minimal=moe_layers * (attn_min + moe_min) + dense_layers * (attn_min + dense_min),
         act_selective=moe_layers * (attn_sel + moe_sel) + dense_layers * (attn_sel + dense_sel),
         act_layer=attn_none + max(moe_none, dense_none if dense_layers else 0),
+        fp8_gemm_io=moe_layers * (attn_io + moe_io) + dense_layers * (attn_io + dense_io),
         config=c,
     )
 

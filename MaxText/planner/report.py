@@ -15,7 +15,9 @@ FLOPS_NOTE = (
 def render_estimate(e: Estimate) -> str:
     m = e.memory
     lines = [
-        f"{e.layout.describe()} on {e.layout.num_gpus} x {e.system.name}, {e.precision}, stack {e.stack.name}",
+        f"{e.layout.describe()} on {e.layout.num_gpus} x {e.system.name}, {e.precision}"
+        + (f" ({e.fp8_kernels})" if e.precision != "bf16" else "")
+        + f", stack {e.stack.name}",
         f"  memory per GPU   {m['total'] / GB:7.1f} GB of {e.system.hbm_bytes * e.stack.usable_hbm / GB:.0f} usable"
         f" ({'fits' if e.fits else 'DOES NOT FIT'}): state {m['state'] / GB:.1f}, activations {m['activations'] / GB:.1f},"
         f" buffers {m['buffers'] / GB:.1f}",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from functools import partial
 
 from MaxText.config import ConfigError
 from MaxText.planner.constants import Stack
@@ -86,13 +87,14 @@ def search(
     precision: str = "bf16",
     exchange_buffer_factor: float = 2.0,
     pipeline: bool = False,
+    fp8_kernels: str = "fused",
 ) -> SearchResult:
     ranked, pipelined, rejected = [], [], {}
     for layout in candidates(spec, system, num_gpus, gbs, pipeline):
         try:
             if layout.pp == 1:
                 _check_mesh(spec, layout)
-            est = estimate(spec, layout, system, stack, precision, exchange_buffer_factor, scaling=False)
+            est = estimate(spec, layout, system, stack, precision, exchange_buffer_factor, False, fp8_kernels)
         except ConfigError as err:
             reason = (
                 str(err).split(":")[0] + ": " + ("split does not divide" if "split" in str(err) else "illegal mesh")
@@ -105,10 +107,9 @@ def search(
         (ranked if layout.pp == 1 else pipelined).append(est)
     ranked = _rank(ranked)
     pipelined.sort(key=lambda e: -e.tflops)
-    top = [estimate(spec, e.layout, system, stack, precision, exchange_buffer_factor) for e in ranked[:5]]
-    best_pp = (
-        estimate(spec, pipelined[0].layout, system, stack, precision, exchange_buffer_factor) if pipelined else None
-    )
+    again = partial(estimate, spec, system=system, stack=stack, precision=precision, fp8_kernels=fp8_kernels)
+    top = [again(layout=e.layout, exchange_buffer_factor=exchange_buffer_factor) for e in ranked[:5]]
+    best_pp = again(layout=pipelined[0].layout, exchange_buffer_factor=exchange_buffer_factor) if pipelined else None
     return SearchResult(top + ranked[5:], rejected, best_pp)
 
 

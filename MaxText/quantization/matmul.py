@@ -15,11 +15,13 @@ straight-through: clipping at 448 passes gradients unchanged.
 
 Execution (``fp8_gemm``, the recipe's ``gemm``):
 
-- ``emulate``: ``fp8_gemm`` multiplies the dequantized operands in float32 (``precision=HIGHEST``,
-  accumulating in float32 throughout: the report promotes partial sums to float32 every 128
-  elements of K, tensor cores accumulate with a few bits less). The exact FP8 numerics, on any
-  platform; the path on CPU, for ``fp8_blockwise`` everywhere (cuDNN has no 2-D weight blocks),
-  and the reference the fused kernels are checked against (``tools/gpu_check.sh``).
+- ``emulate``: ``fp8_gemm`` multiplies the dequantized operands, accumulating in float32
+  throughout (the report promotes partial sums to float32 every 128 elements of K, tensor cores
+  accumulate with a few bits less). The operands hold the dequantized values exactly: bfloat16
+  for ``mxfp8`` (so on a GPU the GEMMs run at the bfloat16 tensor-core rate), float32 for
+  ``fp8_blockwise`` (``precision=HIGHEST``). The exact FP8 numerics, on any platform; the path
+  on CPU, for ``fp8_blockwise`` everywhere (cuDNN has no 2-D weight blocks), and the reference
+  the fused kernels are checked against (``tools/gpu_check.sh``).
 - ``cudnn`` (``mxfp8`` on GPU, the default there): ``mx_gemm`` feeds the same quantizer's E4M3
   values and E8M0 scales to cuDNN's block-scaled GEMM (Blackwell tensor cores). The tokens are
   flattened for it, so the weight gradient's tiles run along the flattened tokens (the same
@@ -43,9 +45,15 @@ def weight_axis(recipe: Recipe, contracted: int) -> int | tuple[int, int]:
     return (0, 1) if recipe.weight_blocks_2d else contracted
 
 
-def fp8_gemm(a_MK: jax.Array, b_KN: jax.Array) -> jax.Array:
-    """The float32 GEMM of two already-dequantized operands (emulation)."""
-    return jnp.matmul(a_MK, b_KN, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+def fp8_gemm(a_MK: jax.Array, b_KN: jax.Array, out_dtype=jnp.float32) -> jax.Array:
+    """The GEMM of two already-dequantized operands (emulation, ``fake_quantize``'s exact
+    float32 or bfloat16 values), accumulated in float32 and given in ``out_dtype``.
+
+    The result comes out of the GEMM in the dtype the caller keeps (rounded in its epilogue, as
+    a bfloat16 GEMM's): a float32 result cast to bfloat16 afterwards is what XLA:GPU's excess-
+    precision rewrites may keep in float32, and a weight gradient then crosses the FSDP
+    reduce-scatter in float32 (2x the bytes; seen in the GB200 compile)."""
+    return jnp.matmul(a_MK, b_KN, precision=jax.lax.Precision.HIGHEST, preferred_element_type=out_dtype)
 
 
 def mx_operand(x_RK: jax.Array, recipe: Recipe) -> tuple[jax.Array, jax.Array]:
@@ -78,20 +86,19 @@ def fp8_matmul(x_LK: jax.Array, w_KN: jax.Array, recipe: Recipe) -> jax.Array:
     return _fp8_matmul_fwd(x_LK, w_KN, recipe)[0]
 
 
-def _tokens_contracted(a_LX: jax.Array, b_LY: jax.Array) -> jax.Array:
-    """``sum over every leading dim of a[..., x] b[..., y]`` in float32: [X, Y]."""
+def _tokens_contracted(a_LX: jax.Array, b_LY: jax.Array, out_dtype) -> jax.Array:
+    """``sum over every leading dim of a[..., x] b[..., y]``, accumulated in float32: [X, Y]."""
     lead = tuple(range(a_LX.ndim - 1))
     dims = ((lead, lead), ((), ()))
-    return jax.lax.dot_general(
-        a_LX, b_LY, dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
-    )
+    return jax.lax.dot_general(a_LX, b_LY, dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=out_dtype)
 
 
 def _fp8_matmul_fwd(x_LK, w_KN, recipe):
     if recipe.gemm == "cudnn":  # the tokens flattened: [M, K] x [N, K]
         y = mx_gemm(x_LK.reshape(-1, x_LK.shape[-1]), w_KN.T, recipe).reshape(*x_LK.shape[:-1], -1)
     else:
-        y = fp8_gemm(fake_quantize(x_LK, recipe, -1), fake_quantize(w_KN, recipe, weight_axis(recipe, 0)))
+        xq, wq = fake_quantize(x_LK, recipe, -1), fake_quantize(w_KN, recipe, weight_axis(recipe, 0))
+        y = fp8_gemm(xq, wq, x_LK.dtype)
     return y.astype(x_LK.dtype), (x_LK, w_KN)
 
 
@@ -103,8 +110,8 @@ def _fp8_matmul_bwd(recipe, residuals, g_LN):
         dw = mx_gemm(x_MK.T, g_MN.T, recipe)  # the tokens contract: 32 x 1 tiles
     else:
         w_for_dx = fake_quantize(w_KN, recipe, weight_axis(recipe, 1))
-        dx = fp8_gemm(fake_quantize(g_LN, recipe, -1), w_for_dx.T)
-        dw = _tokens_contracted(fake_quantize(x_LK, recipe, -2), fake_quantize(g_LN, recipe, -2))
+        dx = fp8_gemm(fake_quantize(g_LN, recipe, -1), w_for_dx.T, x_LK.dtype)
+        dw = _tokens_contracted(fake_quantize(x_LK, recipe, -2), fake_quantize(g_LN, recipe, -2), w_KN.dtype)
     return dx.astype(x_LK.dtype), dw.astype(w_KN.dtype)
 
 

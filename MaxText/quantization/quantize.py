@@ -15,7 +15,8 @@ Two recipes (``quantization`` in base.yml), both E4M3 elements (largest finite 4
   ``floor(log2(amax)) - 8``; blocks whose amax mantissa exceeds 1.75 then saturate at 448).
 
 Every cast clips to +-448 first: casts to float8 do not saturate (past 448 they give NaN). An
-all-zero block takes scale 1 (blockwise) or the smallest exponent, s = 0 (MX, as JAX does); NaN
+all-zero block takes scale 1 (blockwise) or the smallest exponent, s = 0 (MX, as JAX does); a
+blockwise scale never goes below float32's normal range (``BLOCKWISE_MIN_AMAX``); NaN
 or Inf in a block makes the whole block NaN after dequantization, so the step's non-finite
 checks still see it. A dimension that is not a multiple of the block is padded with zeros inside
 (the last block is partial); scales have ``ceil(n / block)`` entries along each blocked axis.
@@ -29,10 +30,16 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from MaxText.parallel.platform import GPU_PLATFORMS, trace_platform
+
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite E4M3 value
 E4M3_EMAX = 8  # 448 = 1.75 * 2**8: the OCP rule's exponent offset
 E8M0_BIAS, E8M0_NAN = 127, 255
+# The smallest amax a blockwise scale is computed from: its scale, amax / 448, is then float32's
+# smallest normal (2**-126) and 448 / amax is finite. Blocks below it (every element under
+# 5.3e-36) quantize with that scale, their values subnormal E4M3 or zero.
+BLOCKWISE_MIN_AMAX = FP8_MAX * 2.0**-126
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,7 @@ class Recipe:
     block: int  # block length along a contraction dimension (and the side of a 2-D weight block)
     scale_rule: Literal["ceil", "floor"] = "ceil"  # mxfp8 only
     gemm: Literal["emulate", "cudnn"] = "emulate"  # how the GEMMs run (``fp8_gemm``; matmul.py)
+    operands: Literal["float32", "bfloat16"] = "float32"  # emulated GEMMs' operand dtype (operand_dtype)
 
     @property
     def power_of_two_scales(self) -> bool:
@@ -60,16 +68,19 @@ def recipe_of(config, platform: str | None = None) -> Recipe | None:
     implementation ``fp8_gemm`` resolves to on ``platform`` (default: the one traced for)."""
     if config.quantization == "none":
         return None
+    platform = platform or trace_platform()
     gemm = resolve_fp8_gemm(config, platform)
     if config.quantization == "fp8_blockwise":
         return Recipe("fp8_blockwise", config.fp8_block, gemm=gemm)
-    return Recipe("mxfp8", config.mxfp8_block, config.mxfp8_scale_rule, gemm)
+    # On a GPU MX operands go to the GEMM as bfloat16 (exact, at the tensor cores' bfloat16
+    # rate); on CPU as float32, where XLA's bfloat16 dot sums in another order.
+    operands = "bfloat16" if platform in GPU_PLATFORMS else "float32"
+    return Recipe("mxfp8", config.mxfp8_block, config.mxfp8_scale_rule, gemm, operands)
 
 
 def check_quantization(config, platform: str) -> None:
     """Fail early, naming the key, when the FP8 GEMMs asked for cannot run on ``platform``."""
     from MaxText.config import ConfigError
-    from MaxText.parallel.platform import GPU_PLATFORMS
 
     if (
         config.quantization != "none"
@@ -131,20 +142,20 @@ def _divided_by_fp8_max(amax: jax.Array) -> jax.Array:
 def _mx_exponent(amax: jax.Array, rule: str) -> jax.Array:
     """The E8M0 biased exponent of a block with this amax (float32): ``ceil(log2(amax / 448))``
     or ``floor(log2(amax)) - 8``, clamped to [-127, 127]; 0 for all-zero blocks (2**-127), 255
-    (NaN) for NaN or Inf. frexp gives exact exponents: a = m * 2**p with m in [0.5, 1)."""
-    if rule == "ceil":
-        m, p = jnp.frexp(_divided_by_fp8_max(amax))
-        exponent = jnp.where(m == 0.5, p - 1, p)
-    else:
-        _, p = jnp.frexp(amax)
-        exponent = p - 1 - E4M3_EMAX
+    (NaN) for NaN or Inf. Both from amax's exact exponent (frexp: amax = m * 2**p, m in [0.5,
+    1)) with no division: 448 = 0.875 * 2**9, so amax / 448 = (m / 0.875) * 2**(p - 9), whose
+    ceil-log2 is p - 9, plus one where m > 0.875. (Dividing first would round, and on XLA:CPU
+    flush a quotient under 2**-126 to zero.)"""
+    m, p = jnp.frexp(amax)
+    exponent = p - 9 + (m > 0.875) if rule == "ceil" else p - 1 - E4M3_EMAX
     biased = jnp.clip(exponent + E8M0_BIAS, 0, 2 * E8M0_BIAS)
     biased = jnp.where(amax == 0, 0, biased)
     return jnp.where(jnp.isfinite(amax), biased, E8M0_NAN).astype(jnp.uint8)
 
 
 def mx_scale_value(biased: jax.Array) -> jax.Array:
-    """``2**(s - 127)`` as float32 (NaN for s = 255)."""
+    """``2**(s - 127)`` as float32 (NaN for s = 255); s = 0 gives float32's subnormal 2**-127,
+    which XLA:CPU flushes to zero (``dequantize`` multiplies by it in two steps)."""
     value = jnp.ldexp(jnp.ones(biased.shape, jnp.float32), biased.astype(jnp.int32) - E8M0_BIAS)
     return jnp.where(biased == E8M0_NAN, jnp.nan, value)
 
@@ -163,9 +174,12 @@ def quantize(x: jax.Array, recipe: Recipe, axis: int | tuple[int, int]) -> tuple
         inverse = jnp.ldexp(jnp.ones(scales.shape, jnp.float32), E8M0_BIAS - scales.astype(jnp.int32))
         scaled = xb * jnp.where(scales == E8M0_NAN, jnp.nan, inverse)
     else:
-        # DeepSeek's kernels multiply by 448 / amax rather than divide by the scale.
-        scales = jnp.where(amax == 0, 1.0, _divided_by_fp8_max(amax))
-        scaled = xb * jnp.where(amax == 0, 1.0, FP8_MAX / amax)
+        # DeepSeek's kernels multiply by 448 / amax rather than divide by the scale. An amax
+        # under BLOCKWISE_MIN_AMAX is raised to it, so that neither 448 / amax overflows (x * inf
+        # would make the block's zeros NaN) nor the scale falls below float32's normal range.
+        floored = jnp.maximum(amax, BLOCKWISE_MIN_AMAX)  # NaN stays NaN
+        scales = jnp.where(amax == 0, 1.0, _divided_by_fp8_max(floored))
+        scaled = xb * jnp.where(amax == 0, 1.0, FP8_MAX / floored)
     values = jnp.clip(scaled, -FP8_MAX, FP8_MAX).astype(FP8)
     return _from_blocks(values, x.shape, axes), jnp.squeeze(scales, inner)
 
@@ -174,13 +188,31 @@ def dequantize(values: jax.Array, scales: jax.Array, recipe: Recipe, axis: int |
     """``values * scale`` block by block, in float32, with ``values``' shape."""
     axes = _axes(values, axis)
     vb, inner = _to_blocks(values.astype(jnp.float32), axes, recipe.block)
-    multiplier = mx_scale_value(scales) if recipe.power_of_two_scales else scales.astype(jnp.float32)
-    return _from_blocks(vb * jnp.expand_dims(multiplier, inner), values.shape, axes)
+    if recipe.power_of_two_scales:  # s = 0: 2**-126 then 1/2, no subnormal multiplier
+        smallest = jnp.expand_dims(scales == 0, inner)
+        multiplier = jnp.expand_dims(mx_scale_value(jnp.maximum(scales, 1)), inner)
+        dequantized = vb * multiplier * jnp.where(smallest, 0.5, 1.0)
+    else:
+        dequantized = vb * jnp.expand_dims(scales.astype(jnp.float32), inner)
+    return _from_blocks(dequantized, values.shape, axes)
+
+
+def operand_dtype(recipe: Recipe) -> jnp.dtype:
+    """The dtype emulated GEMMs take their dequantized operands in (``recipe.operands``). Both
+    hold every value exactly where they are allowed: bfloat16 only for MX (an E4M3 value, 4
+    significant bits, times a power of two: bfloat16 has 8 bits and float32's exponent range),
+    float32 always (blockwise's float32 scales add 24 bits). A GEMM of bfloat16 operands with
+    float32 accumulation is the float32 GEMM of the same values, up to the order of the sums, at
+    a GPU's bfloat16 tensor-core rate."""
+    if recipe.operands == "bfloat16" and not recipe.power_of_two_scales:
+        raise ValueError(f"{recipe.name} values are not exact in bfloat16")
+    return jnp.dtype(recipe.operands)
 
 
 def fake_quantize(x: jax.Array, recipe: Recipe | None, axis: int | tuple[int, int]) -> jax.Array:
-    """``dequantize(quantize(x))`` in float32: the operand an FP8 GEMM really multiplies (x itself
-    when ``recipe`` is None). No gradient flows through it: the GEMMs' VJPs are written out."""
+    """``dequantize(quantize(x))`` in ``operand_dtype``: the operand an FP8 GEMM really
+    multiplies (x itself when ``recipe`` is None). No gradient flows through it: the GEMMs' VJPs
+    are written out."""
     if recipe is None:
         return x
-    return dequantize(*quantize(x, recipe, axis), recipe, axis)
+    return dequantize(*quantize(x, recipe, axis), recipe, axis).astype(operand_dtype(recipe))
