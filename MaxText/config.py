@@ -106,6 +106,7 @@ class Config(BaseModel):
     # precision and memory
     dtype: DType
     weight_dtype: ParamDType
+    opt_state_dtype: Literal["auto", "bfloat16", "float32", "float64"]
     remat_policy: Literal["none", "minimal", "full"]
     vocab_chunks: Count
     quantization: Literal["none", "fp8_blockwise", "mxfp8"]
@@ -213,6 +214,11 @@ class Config(BaseModel):
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def moment_dtype(self) -> str:
+        """The AdamW moments' dtype (``opt_state_dtype``, ``auto``: the weights')."""
+        return self.weight_dtype if self.opt_state_dtype == "auto" else self.opt_state_dtype
 
     @property
     def schedule_steps(self) -> int:

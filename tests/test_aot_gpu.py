@@ -104,6 +104,28 @@ def test_671b_on_gb200_exchanges_tokens_asynchronously(gb200_671b):
     assert r["collectives_by_axes"]["ragged-all-to-all over expert"]["bytes"] > 0
 
 
+@pytest.fixture(scope="module")
+def gb200_671b_mxfp8() -> dict:
+    recipe = "recipes/slurm/deepseek3-671b-gb200-nvl72.sbatch"
+    overrides = [*ARCH_671B, "dcn_data_parallelism=1", "dcn_fsdp_parallelism=1", "quantization=mxfp8"]
+    return _json(aot("--recipe", recipe, "--target", "gb200", "--devices", str(DEVICES), "--json", *overrides))
+
+
+def test_671b_on_gb200_sends_the_mxfp8_dispatch_as_fp8_bytes(gb200_671b, gb200_671b_mxfp8):
+    """The forward dispatch (and its rerun) moves E4M3 values and E8M0 scales as u8: the bf16
+    exchanges it replaced moved 1 / 0.516 as many bytes. The rest of the exchange stays bf16 and
+    the gradients are reduced as in the bf16 run (no float32 left by the FP8 GEMMs)."""
+    plain, fp8 = gb200_671b["collectives_by_dtype"], gb200_671b_mxfp8["collectives_by_dtype"]
+    bf16, u8 = "ragged-all-to-all of bf16", "ragged-all-to-all of u8"
+    assert u8 not in plain and fp8[u8]["count"] == 2 * (plain[bf16]["count"] - fp8[bf16]["count"])
+    replaced = plain[bf16]["bytes"] - fp8[bf16]["bytes"]
+    assert fp8[u8]["bytes"] == pytest.approx((1 + 1 / 32) / 2 * replaced, rel=1e-3)  # <= 0.55x
+    for kind in ("reduce-scatter of bf16", "reduce-scatter of f32"):
+        assert fp8[kind] == plain[kind]
+    assert gb200_671b_mxfp8["memory"]["total"] < TARGETS["gb200"].hbm_bytes * 0.9
+    assert gb200_671b_mxfp8["quantization"] == "mxfp8"
+
+
 def test_transformer_engine_is_refused_for_a_gpu_target():
     out = aot("model_name=deepseek3-tiny", "moe_matmul=te", "--devices", "8", "--target", "gb200")
     assert out.returncode == 2

@@ -54,6 +54,44 @@ def test_no_weight_decay_on_norm_scales():
     assert np.all(np.asarray(new["norm"]["scale"]) == 1.0)
 
 
+def test_adamw_is_optax_adamw_and_its_moments_can_be_bfloat16():
+    """The optimizer is optax's AdamW (same state tree, same updates); with opt_state_dtype
+    bfloat16 its moments are stored in bfloat16 and the updates differ by their rounding only."""
+    keys = ("learning_rate=0.01", "warmup_steps=0", "gradient_clipping_threshold=0", "router_learning_rate_scale=1")
+    config = make_config(*keys)
+    params = {"layer": {"wq_a": jax.random.normal(jax.random.key(0), (16, 8)), "norm": {"scale": jnp.ones(16)}}}
+    grads = [jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 1)) * 1e-3, params) for i in range(3)]
+    reference = optax.adamw(
+        learning_rate_schedule(config),
+        b1=config.adam_b1,
+        b2=config.adam_b2,
+        eps=config.adam_eps,
+        weight_decay=config.adam_weight_decay,
+        mask=weight_decay_mask,
+    )
+    ours, narrow = make_optimizer(config), make_optimizer(make_config(*keys, "opt_state_dtype=bfloat16"))
+    states = [t.init(params) for t in (reference, ours, narrow)]
+    assert jax.tree.structure(states[0]) == jax.tree.structure(states[1]) == jax.tree.structure(states[2])
+    for g in grads:
+        steps = [t.update(g, s, params) for t, s in zip((reference, ours, narrow), states, strict=True)]
+        (want, _), (got, _), (rounded, _) = steps
+        states = [s for _, s in steps]
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+        # bfloat16 keeps 8 bits of each moment: an update moves by 1%, or by 0.5% of the learning rate
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-2, atol=5e-3 * 0.01), rounded, want)
+    moments = states[2][0]
+    assert {x.dtype for x in jax.tree.leaves((moments.mu, moments.nu))} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves((states[1][0].mu, states[1][0].nu))} == {jnp.dtype(jnp.float32)}
+
+
+def test_bfloat16_moments_halve_the_optimizer_state_in_the_accounting():
+    from MaxText.models.accounting import memory_estimate
+
+    wide, narrow = memory_estimate(make_config()), memory_estimate(make_config("opt_state_dtype=bfloat16"))
+    assert narrow.optimizer * 2 == wide.optimizer
+    assert (narrow.weights, narrow.gradients) == (wide.weights, wide.gradients)
+
+
 def test_correction_bias_update_is_sign_of_load_deficit():
     bias = {"a": jnp.zeros(4), "b": jnp.zeros((2, 4))}
     load = {"a": jnp.array([1, 5, 3, 3]), "b": jnp.array([[4, 4, 4, 4], [0, 0, 0, 16]])}

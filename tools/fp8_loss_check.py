@@ -97,11 +97,11 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     base = losses(runs[BASELINE])
-    for name, records in runs.items():
+    for i, (name, records) in enumerate(runs.items()):
         steps, loss = np.array([r["step"] for r in records]), losses(records)
-        top.plot(steps, loss, label=name, lw=1)
+        top.plot(steps, loss, label=name, lw=1, color=f"C{i}")
         if name != BASELINE:
-            bottom.plot(steps, 100 * (loss - base) / base, label=name, lw=1)
+            bottom.plot(steps, 100 * (loss - base) / base, label=name, lw=1, color=f"C{i}")
     bottom.axhspan(-0.25, 0.25, color="0.9", label="+-0.25%")
     top.set_ylabel("loss")
     bottom.set_ylabel("vs baseline (%)")

@@ -120,7 +120,7 @@ class MemoryEstimate:
 
     weights: int  # every parameter, MTP included, in its stored dtype
     gradients: int  # one per trainable parameter, in the parameter's dtype
-    optimizer: int  # Adam mu and nu: optax keeps them in the parameter's dtype
+    optimizer: int  # Adam mu and nu, in opt_state_dtype
 
     @property
     def total(self) -> int:
@@ -218,9 +218,10 @@ def train_flops_per_token(config: Config, counts: ParamCounts | None = None) -> 
 def memory_estimate(config: Config) -> MemoryEstimate:
     """Bytes of weights, gradients and AdamW moments over all devices (divide by N if fully sharded)."""
     leaves = param_leaves(config)
-    trainable = sum(leaf.size * leaf.itemsize for leaf in leaves if leaf.collection == TRAINABLE_COLLECTION)
+    trainable = [leaf for leaf in leaves if leaf.collection == TRAINABLE_COLLECTION]
+    moment_bytes = jnp.dtype(config.moment_dtype).itemsize
     return MemoryEstimate(
         weights=sum(leaf.size * leaf.itemsize for leaf in leaves),
-        gradients=trainable,
-        optimizer=2 * trainable,
+        gradients=sum(leaf.size * leaf.itemsize for leaf in trainable),
+        optimizer=2 * sum(leaf.size for leaf in trainable) * moment_bytes,
     )

@@ -3,7 +3,7 @@
 State. ``sharded`` (this repository): every parameter is split over the mesh by the repository's
 own rules (``MaxText/parallel/sharding.py`` ``parameter_specs`` on an abstract ``init``, so the
 MLA up-projections that cannot split over fsdp x expert are counted as the training step stores
-them), each with its gradient and two Adam moments in ``weight_dtype``; a layout those rules cannot
+them), each with its gradient in ``weight_dtype`` and two Adam moments in ``opt_state_dtype``; a layout those rules cannot
 split is refused here with the repository's own message. ``distributed_optimizer`` (Megatron): bf16
 weights and fp32 main gradients on every data-parallel rank, fp32 master weights and Adam moments
 split over data parallelism; with FP8 the quantised weights replace the BF16 copy (one byte, two
@@ -63,6 +63,8 @@ def _boxed_leaves(config_json: str) -> tuple[tuple[tuple[str | None, ...], tuple
 
 def sharded_state_bytes(spec: ModelSpec, layout: Layout) -> float:
     """Bytes of weights, gradients and Adam moments per GPU under the repository's sharding rules."""
+    import jax.numpy as jnp
+
     from MaxText.config import ConfigError
     from MaxText.parallel.sharding import parameter_mesh_axes, parameter_rules
 
@@ -70,6 +72,7 @@ def sharded_state_bytes(spec: ModelSpec, layout: Layout) -> float:
     if spec.config is None:  # no repository model: split everything over every axis but data
         return 16.0 * spec.params / (layout.num_gpus // layout.size("data"))
     rules = parameter_rules(spec.config, axis_sizes)
+    moment_bytes = jnp.dtype(spec.config.moment_dtype).itemsize
     total = 0.0
     for names, shape, itemsize, trainable in _boxed_leaves(
         architecture(spec.config, keep_length=False).model_dump_json()
@@ -83,8 +86,8 @@ def sharded_state_bytes(spec: ModelSpec, layout: Layout) -> float:
             for axes in assigned:
                 for axis in (axes,) if isinstance(axes, str) else axes or ():
                     ways *= axis_sizes[axis]
-        copies = 4 if trainable else 1  # weight, gradient, Adam mu and nu in weight_dtype
-        total += math.prod(shape) / ways * itemsize * copies
+        per_element = (2 * itemsize + 2 * moment_bytes) if trainable else itemsize  # weight, gradient, mu, nu
+        total += math.prod(shape) / ways * per_element
     return total / layout.pp
 
 

@@ -3,6 +3,9 @@
 Weight decay applies to matrices and embeddings only: RMSNorm scales (leaf name ``scale``) are
 excluded, and the router's correction bias is not a gradient-trained parameter at all.
 
+The AdamW moments are kept in ``opt_state_dtype`` (DeepSeek-V3 keeps them in bfloat16: a quarter
+of the state's bytes saved with float32 weights); the update itself is computed in float32.
+
 The routers (leaf name ``router``) can learn at a fraction of the rate (``router_learning_rate_scale``):
 Adam moves every weight at the full rate however small and steady its gradient, so in a short,
 fast run a router's small preference for its best-trained experts grows into a gap between
@@ -12,6 +15,7 @@ experts, shared by every token, faster than the correction bias can follow.
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from MaxText.config import Config
@@ -53,14 +57,30 @@ def scale_leaves_named(name: str, factor: float) -> optax.GradientTransformation
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
+def moments_in(dtype: jnp.dtype, adam: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``adam`` (optax's ``scale_by_adam``) with its moments stored in ``dtype``: each update
+    reads them, computes in the gradients' dtype, and rounds them back."""
+
+    def cast(state):
+        as_dtype = lambda tree: jax.tree.map(lambda t: t.astype(dtype), tree)  # noqa: E731
+        return state._replace(mu=as_dtype(state.mu), nu=as_dtype(state.nu))
+
+    def update(updates, state, params=None):
+        updates, state = adam.update(updates, state, params)
+        return updates, cast(state)
+
+    return optax.GradientTransformation(lambda params: cast(adam.init(params)), update)
+
+
 def make_optimizer(config: Config) -> optax.GradientTransformation:
-    adamw = optax.adamw(
-        learning_rate_schedule(config),
-        b1=config.adam_b1,
-        b2=config.adam_b2,
-        eps=config.adam_eps,
-        weight_decay=config.adam_weight_decay,
-        mask=weight_decay_mask,
+    """AdamW (optax's ``adamw``, built from its parts so the moments' dtype can be set)."""
+    adam = optax.scale_by_adam(b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
+    if config.moment_dtype != config.weight_dtype:
+        adam = moments_in(jnp.dtype(config.moment_dtype), adam)
+    adamw = optax.chain(
+        adam,
+        optax.add_decayed_weights(config.adam_weight_decay, weight_decay_mask),
+        optax.scale_by_learning_rate(learning_rate_schedule(config)),
     )
     parts = [adamw]
     if config.gradient_clipping_threshold > 0:
