@@ -60,7 +60,7 @@ import numpy as np  # noqa: E402
 
 from MaxText.config import Config, ConfigError, load_config  # noqa: E402
 from MaxText.moe.dispatch import block_layout  # noqa: E402
-from MaxText.moe.experts import BACKENDS, resolve_backend, routed_experts, row_multiple  # noqa: E402
+from MaxText.moe.experts import BACKENDS, config_backend, routed_experts, row_multiple  # noqa: E402
 from MaxText.moe.router import route  # noqa: E402
 
 ROUTINGS = ("balanced", "zipf", "all_to_one")
@@ -203,7 +203,7 @@ def build_impls(args: argparse.Namespace, platform: str) -> tuple[list[Impl], li
 
     def backend_impl(name: str, *overrides: str) -> Impl:
         config = moe_config(args, platform, *overrides)
-        backend = resolve_backend(config.moe_matmul, platform, fp8=config.quantization != "none")
+        backend = config_backend(config, platform)
         return Impl(name, config, backend, rows_dropped(backend, config))
 
     if "dropless" in args.impls:

@@ -42,7 +42,7 @@ from MaxText.models.accounting import count_parameters, train_flops
 from MaxText.models.deepseek import DeepSeekV3
 from MaxText.moe.blocked import level_rows
 from MaxText.moe.expert_parallel import expert_axis
-from MaxText.moe.experts import EXPERTS_SCOPE, moe_context, resolve_backend, resolve_exchange
+from MaxText.moe.experts import EXPERTS_SCOPE, config_backend, moe_context, resolve_exchange
 from MaxText.parallel.mesh import make_mesh
 from MaxText.parallel.platform import compiling_for
 from MaxText.parallel.sharding import axis_rules, batch_sharding
@@ -81,7 +81,7 @@ def _resolved(config: Config, platform: str) -> tuple[tuple[str, str, str], Choi
     """(moe_matmul, moe_ep_comm, attention) as ``platform`` runs them without Transformer Engine,
     and a ``Choices`` whose target names say where TE takes over (``auto`` on a GPU)."""
     names = (
-        resolve_backend(config.moe_matmul, platform, te=False, fp8=config.quantization != "none"),
+        config_backend(config, platform, te=False),
         resolve_exchange(config.moe_ep_comm, platform, te=False),
         resolve_attention(config, config.max_target_length, platform, te=False),
     )

@@ -142,6 +142,11 @@ def resolve_backend(name: str, platform: str | None = None, te: bool | None = No
     return _resolve_auto(name, platform, te, "blocked", "ragged_dot", "blocked")
 
 
+def config_backend(config: Config, platform: str | None = None, te: bool | None = None) -> str:
+    """``moe_matmul`` of ``config`` as ``resolve_backend`` resolves it, FP8 included."""
+    return resolve_backend(config.moe_matmul, platform, te, fp8=config.quantization != "none")
+
+
 def resolve_exchange(name: str, platform: str | None = None, te: bool | None = None) -> str:
     """The expert-parallel exchange ``moe_ep_comm`` names: ``auto`` is Transformer Engine's NCCL EP,
     else exact-size ragged_all_to_all on GPU/TPU, else allgather."""
@@ -151,9 +156,7 @@ def resolve_exchange(name: str, platform: str | None = None, te: bool | None = N
 def check_backend(config: Config, platform: str) -> None:
     """Fail early, saying what to install or choose instead, when the chosen backend or
     expert-parallel exchange cannot run here."""
-    if resolve_backend(config.moe_matmul, platform, fp8=config.quantization != "none") == "te" and (
-        reason := transformer_engine_error()
-    ):
+    if config_backend(config, platform) == "te" and (reason := transformer_engine_error()):
         raise ConfigError(
             f"config key 'moe_matmul': 'te' needs Transformer Engine for JAX, which does not import here ({reason}); "
             "install requirements-gpu.txt in a CUDA image (docker/Dockerfile.gpu) or choose blocked/ragged_dot"
@@ -170,7 +173,7 @@ def check_backend(config: Config, platform: str) -> None:
             f"here ({reason}); install requirements-gpu.txt in a CUDA image (docker/Dockerfile.gpu) or choose "
             "ragged_all_to_all/all_to_all/allgather"
         )
-    blocked = resolve_backend(config.moe_matmul, platform, fp8=config.quantization != "none") == "blocked"
+    blocked = config_backend(config, platform) == "blocked"
     if exchange == "te" and blocked and ALIGN_ROWS % config.moe_min_block_rows:
         raise ConfigError(
             f"config key 'moe_min_block_rows': must divide {ALIGN_ROWS} (moe_ep_comm=te pads each expert's "
@@ -209,7 +212,7 @@ def routed_experts(
 def _routed_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config: Config) -> jax.Array:
     if config.capacity_factor > 0:
         return combine(capacity_experts(x_TD, experts_TK, wi_0, wi_1, wo, config.capacity_factor), weights_TK)
-    backend = resolve_backend(config.moe_matmul, fp8=config.quantization != "none")
+    backend = config_backend(config)
     local_experts = partial(swiglu_experts, backend=backend)
     axis = expert_axis()
     if axis is None:

@@ -33,6 +33,11 @@ def model_flops_per_gpu(spec: ModelSpec, layout: Layout) -> float:
     return layout.gbs * spec.seq_len * spec.flops_per_token / layout.num_gpus
 
 
+def gemm_precision(precision: str, fp8_kernels: str) -> str:
+    """The tensor cores' precision: emulated FP8 multiplies bfloat16 operands."""
+    return "bf16" if fp8_kernels == "emulated" else precision
+
+
 def math_times(
     spec: ModelSpec, layout: Layout, system: System, stack: Stack, precision: str, fp8_kernels: str = "fused"
 ) -> dict[str, float]:
@@ -41,15 +46,15 @@ def math_times(
     tokens = layout.gbs * spec.seq_len / layout.num_gpus
     extra = 1.0 + RECOMPUTE[layout.remat]
     emulated = precision != "bf16" and fp8_kernels == "emulated"
-    gemm_precision = "bf16" if emulated else precision
-    row = "bf16" if gemm_precision == "bf16" else "fp8"
+    runs_at = gemm_precision(precision, fp8_kernels)
+    row = "bf16" if runs_at == "bf16" else "fp8"
     times = {}
     for kind, flops in spec.flops.items():
         efficiency = GEMM_EFFICIENCY[kind][row]
         if kind == "attention":
             rate = system.peak_flops("bf16") * system.attention_speedup * efficiency
         else:
-            rate = system.peak_flops(gemm_precision) * efficiency * (stack.grouped_scale if kind == "grouped" else 1.0)
+            rate = system.peak_flops(runs_at) * efficiency * (stack.grouped_scale if kind == "grouped" else 1.0)
         times[kind] = tokens * flops * extra / rate
     times["elementwise"] = tokens * spec.act_none * ACTIVATION_BYTES * ELEMENTWISE_PASSES * extra / system.hbm_bw
     times["host"] = layout.microbatches * (spec.layers / layout.pp) * stack.host_s_per_layer

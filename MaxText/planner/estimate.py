@@ -10,7 +10,8 @@
     bubble   = (pp - 1) / (vpp x m)                              (interleaved 1F1B, m micro-batches)
 
 TFLOPS/GPU are model FLOPs (Megatron's count, ``model.py``) over the step time; MFU divides by the
-precision's dense peak (bf16's for emulated FP8, whose GEMMs run in bf16). ``comm_fraction`` is communication over communication + compute kernel
+precision's dense peak (bf16's for emulated FP8, whose GEMMs run in bf16). ``comm_fraction`` is
+communication over communication + compute kernel
 time, overlapped or not (the "share of accumulated kernel time" NVIDIA quotes). Scaling efficiency
 compares TFLOPS/GPU with the same layout restricted to one NVLink domain (its ``ici`` part, the
 per-GPU batch unchanged), whether or not the model would fit there.
@@ -21,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from MaxText.planner.comms import Collective, collectives
-from MaxText.planner.compute import math_times, model_flops_per_gpu, optimizer_time
+from MaxText.planner.compute import gemm_precision, math_times, model_flops_per_gpu, optimizer_time
 from MaxText.planner.constants import ACTIVATION_BYTES, Stack
 from MaxText.planner.layout import Layout
 from MaxText.planner.memory import memory_per_gpu
@@ -63,12 +64,7 @@ class Estimate:
 
     @property
     def mfu(self) -> float:
-        return self.tflops * 1e12 / self.system.peak_flops(self.gemm_precision)
-
-    @property
-    def gemm_precision(self) -> str:
-        """The tensor cores' precision: emulated FP8 multiplies bfloat16 operands."""
-        return "bf16" if self.fp8_kernels == "emulated" else self.precision
+        return self.tflops * 1e12 / self.system.peak_flops(gemm_precision(self.precision, self.fp8_kernels))
 
     @property
     def compute_time(self) -> float:
