@@ -132,6 +132,12 @@ def test_transformer_engine_is_refused_for_a_gpu_target():
     assert out.stderr.strip().splitlines()[-1].startswith("error: config key 'moe_matmul': te cannot be compiled")
 
 
+def test_cudnn_fp8_gemms_are_refused_for_a_hopper_target():
+    out = aot("model_name=deepseek3-tiny", "quantization=mxfp8", "fp8_gemm=cudnn", "--devices", "8", "--target", "h200")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith("error: config key 'fp8_gemm': cudnn (cuDNN's MX")
+
+
 def test_xla_gpu_lowers_ragged_dot_densely_over_the_local_experts():
     """Why ``auto`` takes ``blocked`` on GPU without Transformer Engine: XLA:GPU runs ragged_dot as
     one dense matmul over a GPU's local experts and the whole layout (``moe_ep_buffer_factor`` x

@@ -259,6 +259,21 @@ def test_combinations_without_an_fp8_path_are_refused_by_key(overrides, key):
         make_config("quantization=mxfp8", *overrides)
 
 
+def test_cudnn_fp8_gemms_are_refused_where_there_is_no_mx_gemm():
+    """cuDNN's MX GEMM exists on Blackwell (10.0) and later: CPU and Hopper (9.0) exit 2 naming the key."""
+    from MaxText.config import ConfigError
+    from MaxText.quantization.quantize import check_quantization
+    from tests.conftest import make_config
+
+    cudnn = make_config("quantization=mxfp8", "fp8_gemm=cudnn")
+    for platform, capability in (("cpu", None), ("gpu", (9, 0)), ("gpu", (8, 9))):
+        with pytest.raises(ConfigError, match="config key 'fp8_gemm'"):
+            check_quantization(cudnn, platform, capability)
+    for capability in ((10, 0), (10, 3), None):  # None: a GPU whose capability is not known here
+        check_quantization(cudnn, "gpu", capability)
+    check_quantization(make_config("quantization=mxfp8"), "gpu", (9, 0))  # auto: emulation
+
+
 def test_auto_runs_the_routed_experts_fp8_gemms_in_blocked_everywhere():
     from MaxText.moe.experts import resolve_backend
 

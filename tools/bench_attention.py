@@ -12,7 +12,9 @@ output bytes) of the same forward+backward program; nothing is allocated to read
 O(S^2) figure is printed even where it would not fit. ``flash`` runs once per ``--blocks`` size
 (square blocks). Every ratio is against ``dot`` measured in the same run; ``dot`` is only compiled,
 not run, above ``--max-dot-gb``; ``--repeats 0`` compiles only (the memory of the 671B shape,
-``--heads 128 --seq 4096``, on a laptop).
+``--heads 128 --seq 4096``, on a laptop). ``grad_err`` is the largest difference of dq, dk, dv
+from ``dot``'s over the largest of ``dot``'s, from the warm-up run (how a GPU kernel such as cuDNN's
+is checked against plain XLA on the same inputs).
 
 Shape legend: B batch, S positions, H heads, K qk head dim, V value head dim.
 """
@@ -74,17 +76,28 @@ def compile_case(config: Config, inputs):
     return compiled, memory.temp_size_in_bytes + memory.output_size_in_bytes
 
 
-def time_cases(compiled: dict, inputs, repeats: int) -> dict[str, float]:
+def largest_gradient_error(outputs, reference) -> float:
+    """Largest |dq, dk, dv - dot's| over the largest |dot's| of that gradient: how far a backend's
+    gradients are from the plain XLA attention on the same inputs."""
+    (_, grads), (_, ref_grads) = outputs, reference
+    return max(
+        float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32))) / jnp.max(jnp.abs(r.astype(jnp.float32))))
+        for g, r in zip(grads, ref_grads, strict=True)
+    )
+
+
+def run_cases(compiled: dict, inputs, repeats: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Fastest seconds per case, and each case's gradient error against ``dot`` (when dot ran)."""
     q, k, v, _ = inputs
-    for fn in compiled.values():
-        jax.block_until_ready(fn(q, k, v))  # warm-up
+    outputs = {name: jax.block_until_ready(fn(q, k, v)) for name, fn in compiled.items()}  # the warm-up
+    errors = {name: largest_gradient_error(out, outputs["dot"]) for name, out in outputs.items() if "dot" in outputs}
     best = dict.fromkeys(compiled, float("inf"))
     for _ in range(repeats):
         for name, fn in compiled.items():
             start = time.perf_counter()
             jax.block_until_ready(fn(q, k, v))
             best[name] = min(best[name], time.perf_counter() - start)
-    return best
+    return (best if repeats > 0 else {}), errors
 
 
 def main(argv: list[str]) -> None:
@@ -104,18 +117,19 @@ def main(argv: list[str]) -> None:
             cases[name] = compile_case(base.model_copy(update=overrides), inputs)
     mem = {name: bytes_ for name, (_, bytes_) in cases.items()}
     runnable = {n: fn for n, (fn, b) in cases.items() if n != "dot" or b <= args.max_dot_gb * 2**30}
-    seconds = time_cases(runnable, inputs, args.repeats) if args.repeats > 0 else {}
+    seconds, errors = run_cases(runnable, inputs, args.repeats) if args.repeats > 0 else ({}, {})
     print(
         f"attention fwd+bwd on {platform}: B {args.batch}, S {args.seq}, H {args.heads}, "
         f"qk {base.qk_head_dim}, v {base.v_head_dim}, {base.dtype}, {args.documents} documents per row"
     )
-    print(f"{'backend':<12} {'time_ms':>9} {'vs_dot':>7} {'mem_MB':>10} {'vs_dot':>7}")
+    print(f"{'backend':<12} {'time_ms':>9} {'vs_dot':>7} {'mem_MB':>10} {'vs_dot':>7} {'grad_err':>9}")
     for name in cases:
+        error = f"{errors[name]:.1e}" if name in errors else "-"
         t = seconds.get(name)
         t_ratio = f"{t / seconds['dot']:.2f}" if t is not None and "dot" in seconds else "-"
         m_ratio = f"{mem[name] / mem['dot']:.3f}" if "dot" in mem else "-"
         t_text = f"{t * 1e3:.1f}" if t is not None else "-"
-        print(f"{name:<12} {t_text:>9} {t_ratio:>7} {mem[name] / 2**20:>10.1f} {m_ratio:>7}")
+        print(f"{name:<12} {t_text:>9} {t_ratio:>7} {mem[name] / 2**20:>10.1f} {m_ratio:>7} {error:>9}")
 
 
 if __name__ == "__main__":

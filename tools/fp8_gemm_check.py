@@ -9,7 +9,12 @@ numerics) and its time against the plain bfloat16 GEMM measured in the same run:
 - ``emulate`` with bfloat16 operands (``mxfp8`` on a GPU: the same values, float32 sums in
   another order);
 - ``cudnn`` (``mxfp8`` on a Blackwell GPU: cuDNN's block-scaled GEMM on the same E4M3 values and
-  E8M0 scales); reported as not run elsewhere.
+  E8M0 scales); reported as not run elsewhere;
+- ``per-tensor`` (not a recipe of this repository: one scale per tensor, E4M3 forward, E5M2
+  gradient, XLA's own FP8 GEMM on a GPU with FP8 tensor cores, sm 8.9 and up): the rate a fused
+  FP8 GEMM reaches on this GPU, the ceiling the emulation is weighed against; its differences are
+  from the bfloat16 GEMMs, and ``fp8_kernel`` says whether XLA's GEMMs (cuBLASLt or Triton) took
+  the FP8 operands rather than widening them.
 
     python tools/fp8_gemm_check.py [--m 4096 --k 7168 --n 2048] [--json]
 """
@@ -48,9 +53,53 @@ def forward_and_gradients(recipe: Recipe | None):
     return jax.jit(run)
 
 
-def blackwell() -> bool:
+def compute_capability() -> float:
+    """The GPU's compute capability (9.0 Hopper, 10.0 Blackwell); 0 off GPU."""
     device = jax.devices()[0]
-    return device.platform == "gpu" and float(getattr(device, "compute_capability", "0")) >= 10.0
+    return float(getattr(device, "compute_capability", "0")) if device.platform == "gpu" else 0.0
+
+
+def per_tensor_fp8(x, w, g):
+    """Forward and both gradients as per-tensor FP8 GEMMs (E4M3 x and w, E5M2 g), bfloat16 out."""
+
+    def cast(t, dtype):
+        scale = jnp.max(jnp.abs(t)).astype(jnp.float32) / float(jnp.finfo(dtype).max)
+        return (t.astype(jnp.float32) / scale).astype(dtype), scale
+
+    (xq, sx), (wq, sw), (gq, sg) = cast(x, jnp.float8_e4m3fn), cast(w, jnp.float8_e4m3fn), cast(g, jnp.float8_e5m2)
+
+    def gemm(a, b, scale):
+        return (jnp.matmul(a, b, preferred_element_type=jnp.float32) * scale).astype(jnp.bfloat16)
+
+    return gemm(xq, wq, sx * sw), gemm(gq, wq.T, sg * sw), gemm(xq.T, gq, sx * sg)
+
+
+def fp8_gemm_called(hlo: str) -> bool:
+    """Whether XLA:GPU's compiled program multiplies FP8 operands: cuBLASLt's FP8 matmul (Hopper
+    and later, after autotuning) or a Triton GEMM fusion whose parameters are FP8 (a compile
+    without the GPU, which cannot autotune)."""
+    return "__cublas$lt$matmul$f8" in hlo or any("gemm_fusion" in line and "f8e" in line for line in hlo.splitlines())
+
+
+def per_tensor_row(x, w, g, baseline: float) -> dict:
+    label = "per-tensor xla (E4M3/E5M2, not a recipe)"
+    if compute_capability() < 8.9:
+        return {"case": label, "ran": False, "why": "FP8 tensor cores need a GPU of sm 8.9 or later"}
+    fn = jax.jit(per_tensor_fp8)
+    hlo = fn.lower(x, w, g).compile().as_text()
+    reference = [o.astype(jnp.float32) for o in forward_and_gradients(None)(x, w, g)]
+    outputs = [o.astype(jnp.float32) for o in fn(x, w, g)]
+    errors = [float(jnp.max(jnp.abs(o - r)) / jnp.max(jnp.abs(r))) for o, r in zip(outputs, reference, strict=True)]
+    seconds = timed(fn, x, w, g)
+    return {
+        "case": label,
+        "ran": True,
+        "max_rel_diff_y_dx_dw": errors,
+        "vs": "bfloat16 GEMMs",
+        "fp8_kernel": fp8_gemm_called(hlo),
+        "time_s": seconds,
+        "bf16_gemm_time_ratio": baseline / seconds,
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -78,7 +127,7 @@ def main(argv: list[str]) -> int:
     for name, recipe in cases:
         how = "E4M3 + E8M0 operands" if recipe.gemm == "cudnn" else f"{recipe.operands} operands"
         label = f"{name} {recipe.gemm} ({how})"
-        if recipe.gemm == "cudnn" and not blackwell():
+        if recipe.gemm == "cudnn" and compute_capability() < 10.0:
             rows.append({"case": label, "ran": False, "why": "cuDNN's block-scaled GEMM needs a Blackwell GPU"})
             continue
         fn = forward_and_gradients(recipe)
@@ -95,6 +144,7 @@ def main(argv: list[str]) -> int:
                 "bf16_gemm_time_ratio": baseline / seconds,
             }
         )
+    rows.append(per_tensor_row(x, w, g, baseline))
     report = {"device": str(jax.devices()[0]), "shape": [args.m, args.k, args.n], "bf16_s": baseline, "cases": rows}
     if args.json:
         print(json.dumps(report))
@@ -106,8 +156,9 @@ def main(argv: list[str]) -> int:
             print(f"  {r['case']:<44} not run: {r['why']}")
             continue
         diffs = " ".join(f"{e:.1e}" for e in r["max_rel_diff_y_dx_dw"]) if "float32" not in r["case"] else "(reference)"
+        against = r.get("vs", "emulation") + (f", FP8 kernel {r['fp8_kernel']}" if "fp8_kernel" in r else "")
         print(
-            f"  {r['case']:<44} {r['time_s'] * 1e3:8.2f} ms  ratio {r['bf16_gemm_time_ratio']:.3f}  vs emulation {diffs}"
+            f"  {r['case']:<44} {r['time_s'] * 1e3:8.2f} ms  ratio {r['bf16_gemm_time_ratio']:.3f}  vs {against} {diffs}"
         )
     return 0
 

@@ -46,6 +46,7 @@ from MaxText.moe.experts import EXPERTS_SCOPE, config_backend, moe_context, reso
 from MaxText.parallel.mesh import make_mesh
 from MaxText.parallel.platform import compiling_for
 from MaxText.parallel.sharding import axis_rules, batch_sharding
+from MaxText.quantization.quantize import check_quantization
 from MaxText.train.optimizer import make_optimizer
 from MaxText.train.state import abstract_train_state
 from MaxText.train.step import jit_train_step
@@ -217,6 +218,7 @@ def compile_train_step(config: Config, devices: list | None = None, target: GpuT
     executable."""
     if target is None:
         return _compile(*for_cpu_compile(config), list(devices if devices is not None else jax.devices()), None)
+    check_quantization(config, "gpu", target.compute_capability)
     with compiling_for("gpu"), answering_device_queries(target):  # the model is traced from here on
         return _compile(*for_gpu_compile(config), list(devices), target)
 

@@ -78,19 +78,35 @@ def recipe_of(config, platform: str | None = None) -> Recipe | None:
     return Recipe("mxfp8", config.mxfp8_block, config.mxfp8_scale_rule, gemm, operands)
 
 
-def check_quantization(config, platform: str) -> None:
-    """Fail early, naming the key, when the FP8 GEMMs asked for cannot run on ``platform``."""
+MX_GEMM_COMPUTE_CAPABILITY = (10, 0)  # block-scaled (MX) tensor-core GEMMs: Blackwell and later
+
+
+def check_quantization(config, platform: str, compute_capability: tuple[int, int] | None = None) -> None:
+    """Fail early, naming the key, when the FP8 GEMMs asked for cannot run on ``platform`` (and,
+    for a GPU, its ``compute_capability``: Hopper has FP8 tensor cores but no MX scaling)."""
     from MaxText.config import ConfigError
 
-    if (
-        config.quantization != "none"
-        and resolve_fp8_gemm(config, platform) == "cudnn"
-        and platform not in GPU_PLATFORMS
-    ):
+    if config.quantization == "none" or resolve_fp8_gemm(config, platform) != "cudnn":
+        return
+    if platform not in GPU_PLATFORMS:
         raise ConfigError(
             f"config key 'fp8_gemm': cudnn (cuDNN's block-scaled GEMM) runs on GPU only, not on {platform}; "
             "choose emulate or auto"
         )
+    if compute_capability is not None and tuple(compute_capability) < MX_GEMM_COMPUTE_CAPABILITY:
+        have, need = (".".join(map(str, c)) for c in (compute_capability, MX_GEMM_COMPUTE_CAPABILITY))
+        raise ConfigError(
+            f"config key 'fp8_gemm': cudnn (cuDNN's MX block-scaled GEMM) needs a GPU of compute capability "
+            f"{need} or later (Blackwell), this one is {have}; choose emulate or auto"
+        )
+
+
+def gpu_compute_capability(device) -> tuple[int, int] | None:
+    """A JAX GPU device's compute capability, e.g. (9, 0); None off GPU."""
+    if device.platform not in GPU_PLATFORMS:
+        return None
+    major, minor = str(getattr(device, "compute_capability", "0.0")).split(".")
+    return int(major), int(minor)
 
 
 def resolve_fp8_gemm(config, platform: str | None = None) -> str:

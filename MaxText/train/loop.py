@@ -29,7 +29,7 @@ from MaxText.models.deepseek import DeepSeekV3
 from MaxText.moe.experts import check_backend, moe_context
 from MaxText.parallel.mesh import make_mesh
 from MaxText.parallel.sharding import axis_rules, batch_sharding, put_global_batch
-from MaxText.quantization.quantize import check_quantization
+from MaxText.quantization.quantize import check_quantization, gpu_compute_capability
 from MaxText.train.metrics import MetricsWriter, peak_tflops, throughput
 from MaxText.train.optimizer import make_optimizer
 from MaxText.train.preemption import PreemptionWatch
@@ -104,7 +104,7 @@ def train(config: Config) -> RunResult:
 
     # ---- mesh and data (first, so that a bad layout or dataset stops the run before anything is compiled) ----
     check_backend(config, topology["platform"])
-    check_quantization(config, topology["platform"])
+    check_quantization(config, topology["platform"], gpu_compute_capability(jax.devices()[0]))
     check_attention(config, topology["platform"])
     mesh = make_mesh(config)
     num_devices = topology["num_devices"]
