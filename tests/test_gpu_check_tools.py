@@ -29,6 +29,12 @@ def test_fp8_gemm_check_on_cpu_reports_every_case():
     # numbers (XLA:CPU multiplies them in float32 too).
     assert [row["max_rel_diff_y_dx_dw"] for row in ran] == [[0.0, 0.0, 0.0]] * 3
     assert all(row["time_s"] > 0 and row["bf16_gemm_time_ratio"] > 0 for row in ran)
+    # Against the unquantized float32 GEMMs: E4M3's rounding (at most 2^-4 of each operand element
+    # in range), and the bfloat16-operand emulation moves nothing further.
+    for row in ran:
+        assert all(0.01 < e < 2**-4 for e in row["rms_rel_err_y_dx_dw"])
+        assert all(abs(b) < 0.01 for b in row["scale_bias_y_dx_dw"])
+    assert ran[1]["rms_rel_err_y_dx_dw"] == ran[2]["rms_rel_err_y_dx_dw"]
     not_run = {name: row["why"] for name, row in rows.items() if not row["ran"]}
     assert "Blackwell" in not_run["mxfp8 cudnn (E4M3 + E8M0 operands)"]
     assert "sm 8.9" in not_run["per-tensor xla (E4M3/E5M2, not a recipe)"]

@@ -16,7 +16,10 @@ numerics) and its time against the plain bfloat16 GEMM measured in the same run:
   from the bfloat16 GEMMs, and ``fp8_kernel`` says whether XLA's GEMMs (cuBLASLt or Triton) took
   the FP8 operands rather than widening them.
 
-    python tools/fp8_gemm_check.py [--m 4096 --k 7168 --n 2048] [--json]
+    python tools/fp8_gemm_check.py [--m 4096 --k 7168 --n 2048] [--channel-spread 1.0] [--json]
+
+Each emulated case also reports how far FP8 moves the results from the unquantized float32 GEMMs
+(RMS error and scale bias): the recipes' own error, where the comparison above is the execution's.
 """
 
 import argparse
@@ -51,6 +54,17 @@ def forward_and_gradients(recipe: Recipe | None):
         return (y, *vjp(g))
 
     return jax.jit(run)
+
+
+def quantization_error(outputs, unquantized) -> dict:
+    """How far FP8 moves y, dx and dw from the unquantized float32 GEMMs: the RMS of the
+    difference over the RMS of the reference, and the scale bias (the least-squares factor
+    between them, minus 1: negative when FP8 shrinks the outputs)."""
+    rms, bias = [], []
+    for o, e in zip(outputs, unquantized, strict=True):
+        rms.append(float(jnp.sqrt(jnp.mean((o - e) ** 2) / jnp.mean(e**2))))
+        bias.append(float(jnp.sum(o * e) / jnp.sum(e * e) - 1))
+    return {"rms_rel_err_y_dx_dw": rms, "scale_bias_y_dx_dw": bias}
 
 
 def compute_capability() -> float:
@@ -108,10 +122,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--m", type=int, default=512 if on_cpu else 4096)
     parser.add_argument("--k", type=int, default=1024 if on_cpu else 7168)
     parser.add_argument("--n", type=int, default=256 if on_cpu else 2048)
+    parser.add_argument(
+        "--channel-spread", type=float, default=0.0, help="x's columns scaled by exp(N(0, this)): outlier channels"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(kx, (args.m, args.k), jnp.bfloat16)
+    kx, kw, kg, kc = jax.random.split(jax.random.key(0), 4)
+    channels = jnp.exp(args.channel_spread * jax.random.normal(kc, (1, args.k)))
+    x = (jax.random.normal(kx, (args.m, args.k)) * channels).astype(jnp.bfloat16)
     w = (jax.random.normal(kw, (args.k, args.n)) * 0.02).astype(jnp.bfloat16)
     g = (jax.random.normal(kg, (args.m, args.n)) * 1e-3).astype(jnp.bfloat16)
     baseline = timed(forward_and_gradients(None), x, w, g)
@@ -122,6 +140,8 @@ def main(argv: list[str]) -> int:
         ("mxfp8", Recipe("mxfp8", 32, operands="bfloat16")),
         ("mxfp8", Recipe("mxfp8", 32, gemm="cudnn")),
     ]
+    with jax.default_matmul_precision("highest"):  # the unquantized float32 GEMMs of the same inputs
+        unquantized = forward_and_gradients(None)(*(a.astype(jnp.float32) for a in (x, w, g)))
     references = {}
     rows = []
     for name, recipe in cases:
@@ -140,6 +160,7 @@ def main(argv: list[str]) -> int:
                 "case": label,
                 "ran": True,
                 "max_rel_diff_y_dx_dw": errors,
+                **quantization_error(outputs, unquantized),
                 "time_s": seconds,
                 "bf16_gemm_time_ratio": baseline / seconds,
             }
@@ -160,6 +181,10 @@ def main(argv: list[str]) -> int:
         print(
             f"  {r['case']:<44} {r['time_s'] * 1e3:8.2f} ms  ratio {r['bf16_gemm_time_ratio']:.3f}  vs {against} {diffs}"
         )
+        if "rms_rel_err_y_dx_dw" in r:
+            rms = " ".join(f"{e:.1e}" for e in r["rms_rel_err_y_dx_dw"])
+            bias = " ".join(f"{e:+.1e}" for e in r["scale_bias_y_dx_dw"])
+            print(f"  {'':<44} vs the unquantized GEMMs: RMS error {rms}, scale bias {bias}")
     return 0
 
 
