@@ -22,10 +22,11 @@ Execution (``fp8_gemm``, the recipe's ``gemm``):
   ``fp8_blockwise`` (``precision=HIGHEST``). The exact FP8 numerics, on any platform; the path
   on CPU, for ``fp8_blockwise`` everywhere (cuDNN has no 2-D weight blocks), and the reference
   the fused kernels are checked against (``tools/gpu_check.sh``).
-- ``cudnn`` (``mxfp8`` on GPU, the default there): ``mx_gemm`` feeds the same quantizer's E4M3
-  values and E8M0 scales to cuDNN's block-scaled GEMM (Blackwell tensor cores). The tokens are
-  flattened for it, so the weight gradient's tiles run along the flattened tokens (the same
-  tiles as emulation's when the sequence is a multiple of the block).
+- ``cudnn`` (``mxfp8`` on a Blackwell GPU, opt-in): ``mx_gemm`` feeds the same quantizer's E4M3
+  values and E8M0 scales to cuDNN's block-scaled GEMM (Blackwell tensor cores), on each device's
+  own tokens (``per_device``). The tokens are flattened for it, so the weight gradient's tiles
+  run along the flattened tokens (the same tiles as emulation's when the sequence is a multiple
+  of the block).
 
 Shape legend: M rows (tokens), L leading dims (the tokens unflattened), K contracted, N output
 features.
@@ -36,7 +37,9 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from MaxText.parallel.sharding import batch_mesh_axes
 from MaxText.quantization.quantize import Recipe, fake_quantize, quantize
 
 
@@ -93,9 +96,49 @@ def _tokens_contracted(a_LX: jax.Array, b_LY: jax.Array, out_dtype) -> jax.Array
     return jax.lax.dot_general(a_LX, b_LY, dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=out_dtype)
 
 
+def token_split(x_LK: jax.Array) -> tuple[str, ...]:
+    """The mesh axes x's leading (batch) dim is split over for ``per_device``: the rules' batch
+    axes not already manual (inside a shard_map), as many as divide it."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    manual, axes, parts = set(mesh.manual_axes), [], 1
+    for axis in batch_mesh_axes():
+        if axis not in manual and x_LK.shape[0] % (parts * mesh.shape[axis]) == 0:
+            axes.append(axis)
+            parts *= mesh.shape[axis]
+    return tuple(axes)
+
+
+def per_device(gemm, tokens: tuple[str, ...], *operands: jax.Array, tokens_contracted: bool = False) -> jax.Array:
+    """``gemm`` on each device's tokens, every operand split along its leading (tokens) dim over
+    ``tokens`` but the last, a weight, which each device takes whole. cuDNN's block-scaled GEMM
+    is partitioned by JAX's ``custom_partitioning``, which on a sharded mesh turns the E8M0 scales
+    into collectives (NCCL has no such type, and the 671B recipe's compile fails in the
+    partitioner); inside a shard_map it is a local call, and the FSDP gathers and gradient sums
+    stay XLA's, in the model's dtype. With ``tokens_contracted`` (the weight gradient) each device
+    gives its partial sum and the sum over devices is left to XLA, outside."""
+    if not tokens:
+        return gemm(*operands)
+    split, whole = P(tokens), P()
+    if tokens_contracted:
+        partials = jax.shard_map(
+            lambda *ops: gemm(*ops)[None], in_specs=(split,) * len(operands), out_specs=split, check_vma=False
+        )(*operands)
+        zero = jnp.zeros((), partials.dtype)  # summed in their own dtype (jnp.sum would widen bfloat16)
+        return jax.lax.reduce(partials, zero, jax.lax.add, (0,))
+    in_specs = (*(split,) * (len(operands) - 1), whole)
+    return jax.shard_map(gemm, in_specs=in_specs, out_specs=split, check_vma=False)(*operands)
+
+
 def _fp8_matmul_fwd(x_LK, w_KN, recipe):
     if recipe.gemm == "cudnn":  # the tokens flattened: [M, K] x [N, K]
-        y = mx_gemm(x_LK.reshape(-1, x_LK.shape[-1]), w_KN.T, recipe).reshape(*x_LK.shape[:-1], -1)
+
+        def forward(x_LK, w_KN):
+            y_MN = mx_gemm(x_LK.reshape(-1, x_LK.shape[-1]), w_KN.T, recipe).astype(x_LK.dtype)
+            return y_MN.reshape(*x_LK.shape[:-1], -1)
+
+        y = per_device(forward, token_split(x_LK), x_LK, w_KN)
     else:
         xq, wq = fake_quantize(x_LK, recipe, -1), fake_quantize(w_KN, recipe, weight_axis(recipe, 0))
         y = fp8_gemm(xq, wq, x_LK.dtype)
@@ -105,9 +148,18 @@ def _fp8_matmul_fwd(x_LK, w_KN, recipe):
 def _fp8_matmul_bwd(recipe, residuals, g_LN):
     x_LK, w_KN = residuals
     if recipe.gemm == "cudnn":
-        x_MK, g_MN = x_LK.reshape(-1, x_LK.shape[-1]), g_LN.reshape(-1, g_LN.shape[-1])
-        dx = mx_gemm(g_MN, w_KN, recipe).reshape(x_LK.shape)
-        dw = mx_gemm(x_MK.T, g_MN.T, recipe)  # the tokens contract: 32 x 1 tiles
+
+        def input_gradient(g_LN, w_KN):
+            dx_MK = mx_gemm(g_LN.reshape(-1, g_LN.shape[-1]), w_KN, recipe).astype(x_LK.dtype)
+            return dx_MK.reshape(*g_LN.shape[:-1], -1)
+
+        def weight_gradient(x_LK, g_LN):  # the tokens contract: 32 x 1 tiles
+            x_MK, g_MN = x_LK.reshape(-1, x_LK.shape[-1]), g_LN.reshape(-1, g_LN.shape[-1])
+            return mx_gemm(x_MK.T, g_MN.T, recipe).astype(w_KN.dtype)
+
+        tokens = token_split(x_LK)
+        dx = per_device(input_gradient, tokens, g_LN, w_KN)
+        dw = per_device(weight_gradient, tokens, x_LK, g_LN, tokens_contracted=True)
     else:
         w_for_dx = fake_quantize(w_KN, recipe, weight_axis(recipe, 1))
         dx = fp8_gemm(fake_quantize(g_LN, recipe, -1), w_for_dx.T, x_LK.dtype)

@@ -111,8 +111,8 @@ def gpu_compute_capability(device) -> tuple[int, int] | None:
 
 def resolve_fp8_gemm(config, platform: str | None = None) -> str:
     """``fp8_gemm: auto`` is emulation everywhere for now: cuDNN's block-scaled GEMM (``cudnn``,
-    opt-in) fails to partition on the 671B recipes' meshes (``jax.nn.scaled_matmul``'s
-    custom_partitioning raises KeyError in the GB200 compile) and has never run on a GPU here."""
+    opt-in) compiles for the 671B recipes (each device's own GEMMs, matmul.per_device) but has
+    never run on a Blackwell GPU, the only kind that has it."""
     del platform
     return "emulate" if config.fp8_gemm == "auto" else config.fp8_gemm
 
