@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One prepared GPU check, for a bare single-GPU machine with JAX (CUDA) preinstalled; under 9 minutes.
-#   1. installs what the CPU requirements add on top of JAX, from ./wheels if present (offline), else the index;
+#   1. installs what the CPU requirements add on top of JAX, from ./wheels if present (offline), else the index
+#      (for a machine without the network: `pip download --no-deps --only-binary=:all: --python-version 3.12
+#      --platform manylinux2014_x86_64 -d wheels pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0
+#      typing-inspection==0.4.2 tensorboardX==2.6.5`, with the GPU machine's Python version);
 #   2. trains the tiny model for 60 steps on the GPU (synthetic data: no dataset packages needed);
 #   3. times one MoE layer of DeepSeek-V3's expert shape in bfloat16: the dropless backends against the
 #      dense ceiling and the capacity baseline, under balanced, skewed and all-to-one routing;
