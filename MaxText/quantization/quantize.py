@@ -93,7 +93,7 @@ def check_quantization(config, platform: str, compute_capability: tuple[int, int
             f"config key 'fp8_gemm': cudnn (cuDNN's block-scaled GEMM) runs on GPU only, not on {platform}; "
             "choose emulate or auto"
         )
-    if compute_capability is not None and tuple(compute_capability) < MX_GEMM_COMPUTE_CAPABILITY:
+    if compute_capability is not None and compute_capability < MX_GEMM_COMPUTE_CAPABILITY:
         have, need = (".".join(map(str, c)) for c in (compute_capability, MX_GEMM_COMPUTE_CAPABILITY))
         raise ConfigError(
             f"config key 'fp8_gemm': cudnn (cuDNN's MX block-scaled GEMM) needs a GPU of compute capability "
