@@ -139,7 +139,7 @@ def test_cudnn_fp8_gemms_are_refused_for_a_hopper_target():
 
 
 CUDNN_FP8_GEMM = r"""
-import re
+import re, sys
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -148,41 +148,60 @@ from MaxText.aot.targets import TARGETS, answering_device_queries, compile_devic
 from MaxText.parallel.mesh import make_mesh
 from MaxText.parallel.platform import compiling_for
 from MaxText.parallel.sharding import axis_rules
-from MaxText.quantization import fp8_matmul
+from MaxText.quantization import linear
 from MaxText.quantization.quantize import recipe_of
 from tests.conftest import make_config
 
-config = make_config("quantization=mxfp8", "fp8_gemm=cudnn", "ici_fsdp_parallelism=8")
+mesh_keys = sys.argv[1].split()  # the tokens split over every mesh axis, the weight as the rules store it
+config = make_config("quantization=mxfp8", "fp8_gemm=cudnn", *mesh_keys)
 target = TARGETS["gb200"]
 mesh = make_mesh(config, compile_devices(target, 8))
-fsdp = NamedSharding(mesh, P("fsdp"))
-x = jax.ShapeDtypeStruct((16, 64, 256), jnp.bfloat16, sharding=fsdp)
-w = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=fsdp)
+split = tuple(a for a, n in mesh.shape.items() if n > 1)
+tokens = NamedSharding(mesh, P(split))
+stored = NamedSharding(mesh, P(tuple(a for a in split if a != "data"), None))  # "embed": [fsdp, expert]
+x = jax.ShapeDtypeStruct((16, 64, 256), jnp.bfloat16, sharding=tokens)
+w = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=stored)
 with compiling_for("gpu"), answering_device_queries(target):
     recipe = recipe_of(config, "gpu")
-    loss = lambda x, w: jnp.sum(fp8_matmul(x, w, recipe).astype(jnp.float32) ** 2)
+    loss = lambda x, w: jnp.sum(linear(x, w, recipe, 1, ("embed", "q_lora")).astype(jnp.float32) ** 2)
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)):
-        step = jax.jit(jax.grad(loss, argnums=(0, 1)), out_shardings=(fsdp, fsdp))
+        step = jax.jit(jax.grad(loss, argnums=(0, 1)), out_shardings=(tokens, stored))
         hlo = step.lower(x, w).compile().as_text()
 print(hlo.count('custom_call_target="__cudnn$blockScaledDot"'))
 ops = r"(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)-start"
-print(sorted(re.findall(r"(bf16|f32|f8\w+|u8|s32)\[[\d,]*\][^ ]* " + ops, hlo)))
+print(sorted(re.findall(r"(bf16|f32|f8\w+|u8|s32)(\[[\d,]*\])[^ ]* " + ops, hlo)))
 """
 
 
-def test_cudnn_fp8_gemms_compile_on_a_sharded_mesh():
-    """``fp8_gemm=cudnn`` for 8 GB200 with tokens and weight split over fsdp: the forward and both
-    gradients are cuDNN block-scaled dots, each device's own (no E8M0 scales cross a collective:
-    JAX's partitioner of ``scaled_matmul`` sent them through NCCL, which has no such type), and the
-    weight's FSDP gather and gradient reduce-scatter are bfloat16's, as without FP8."""
+@pytest.mark.parametrize(
+    "mesh, collectives",
+    [
+        ("ici_fsdp_parallelism=8", [("bf16", "[256,512]", "all-gather"), ("bf16", "[32,512]", "reduce-scatter")]),
+        (
+            "ici_data_parallelism=2 ici_fsdp_parallelism=2 ici_expert_parallelism=2",
+            [
+                ("bf16", "[256,512]", "all-gather"),
+                ("bf16", "[64,512]", "all-reduce"),
+                ("bf16", "[64,512]", "reduce-scatter"),
+            ],
+        ),
+    ],
+)
+def test_cudnn_fp8_gemms_compile_on_a_sharded_mesh(mesh, collectives):
+    """``fp8_gemm=cudnn`` for 8 GB200, tokens split over the mesh, the weight as the rules store
+    it: the forward and both gradients are cuDNN block-scaled dots, each device's own (no E8M0
+    scales cross a collective: JAX's partitioner of ``scaled_matmul`` sent them through NCCL,
+    which has no such type); the weight's FSDP gather is bfloat16's, and its gradient is
+    reduce-scattered onto the weight's shards before the sum over ``data`` (left to XLA, the whole
+    gradient was all-reduced over all 8, as the 671B recipe's dense layers were over 256 GPUs)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
     out = subprocess.run(
-        [GPU_PYTHON, "-c", CUDNN_FP8_GEMM], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
+        [GPU_PYTHON, "-c", CUDNN_FP8_GEMM, mesh], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    dots, collectives = out.stdout.strip().splitlines()[-2:]
+    dots, found = out.stdout.strip().splitlines()[-2:]
     assert int(dots) == 3
-    assert collectives == str(sorted([("bf16", "all-gather"), ("bf16", "reduce-scatter")]))
+    assert found == str(sorted(collectives))
 
 
 def test_xla_gpu_lowers_ragged_dot_densely_over_the_local_experts():

@@ -280,3 +280,40 @@ def test_auto_runs_the_routed_experts_fp8_gemms_in_blocked_everywhere():
     for platform in ("cpu", "gpu", "tpu"):
         assert resolve_backend("auto", platform, te=True, fp8=True) == "blocked"
     assert resolve_backend("auto", "gpu", te=True) == "te"
+
+
+def test_the_weight_gradient_is_summed_onto_the_weights_own_split():
+    """``per_device``'s weight gradient on 8 devices (data 2 x fsdp 2 x expert 2, the tokens split
+    over all three): each device's partial sum reduce-scattered onto the weight's stored split and
+    all-reduced over the other token axes equals the whole GEMM, for every split the rules give
+    the model's weights (and one along N); ``weight_spec`` flattens a weight's logical axes to its
+    GEMM's [K, N] only where the shards stay contiguous blocks."""
+    import flax.linen as nn
+    from jax.sharding import PartitionSpec as P
+
+    from MaxText.parallel.mesh import make_mesh
+    from MaxText.parallel.sharding import axis_rules
+    from MaxText.quantization.matmul import per_device, weight_spec
+    from tests.conftest import make_config
+
+    config = make_config("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_expert_parallelism=2")
+    mesh = make_mesh(config)
+    kx, kg = jax.random.split(jax.random.key(3))
+    x, g = jax.random.normal(kx, (8, 4, 32)), jax.random.normal(kg, (8, 4, 16))
+    want = jnp.einsum("bsk,bsn->kn", x, g)
+    tokens = ("data", "fsdp", "expert")
+    gemm = partial(jnp.einsum, "bsk,bsn->kn")
+    with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)):
+        assert weight_spec(("embed", "q_lora"), 1) == P(("fsdp", "expert"), None)
+        assert weight_spec(("kv_lora", "heads", "head_dim"), 1) == P(("fsdp", "expert"), None)
+        assert weight_spec(("mlp", "embed"), 1) == P(None, ("fsdp", "expert"))
+        for spec in (P(("fsdp", "expert"), None), P(None, ("fsdp", "expert")), P("fsdp", None), P(None, "expert")):
+            got = jax.jit(lambda x, g, spec=spec: per_device(gemm, tokens, x, g, tokens_contracted=True, out_spec=spec))
+            out = got(x, g)
+            assert out.sharding.is_equivalent_to(jax.NamedSharding(mesh, spec), 2)
+            np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    tensor = make_config("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
+    with jax.set_mesh(make_mesh(tensor)), nn.logical_axis_rules(axis_rules(tensor)):
+        assert weight_spec(("heads", "head_dim", "embed"), 2) == P("tensor", "fsdp")
+        assert weight_spec(("kv_lora", "heads", "head_dim"), 1) == P("fsdp", "tensor")  # heads lead N
+        assert weight_spec(("kv_lora", "head_dim", "heads"), 1) is None  # split inside N: not blocks

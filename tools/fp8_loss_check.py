@@ -8,25 +8,39 @@ the baseline with one setting changed that changes no formula, only the order of
 (``--control``, by default the routed experts through ``ragged_dot`` instead of ``blocked``). A
 small model's trajectory amplifies any rounding difference; the control's error is that noise
 floor, measured the same way, and the criterion is judged on the mean over seeds. It reports the
-experts' balance at the end (``expert_load_max_over_mean``), draws the curves and their relative
-difference, and exits 1 when a recipe's mean misses the criterion.
+experts' balance at the end (``expert_load_max_over_mean``), the standard error of each mean over
+seeds, draws the curves and their relative difference, and exits 1 when a recipe's mean misses the criterion.
 
-    python tools/fp8_loss_check.py --model deepseek3-tiny --steps 200 --seeds 0,1,2 [key=value ...]
+    python tools/fp8_loss_check.py --model deepseek3-tiny --steps 200 --seeds 0,1,2 [--jobs N] [key=value ...]
 
 On CPU the FP8 GEMMs are emulated (exact numerics, float32 accumulation) and the baseline runs
-in the CPU's default dtype, float32; pass ``dtype=bfloat16`` for a bfloat16 baseline.
+in the CPU's default dtype, float32; pass ``dtype=bfloat16`` for a bfloat16 baseline. On a GPU
+the baseline is bfloat16, as the report measures. ``--jobs`` trains that many runs at once (a
+small model leaves most of a GPU idle; each run then gets its share of the GPU's memory and
+writes its output to ``<run>.log``).
 """
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 BASELINE, CONTROL = "none", "control"
+RUNNING: set[subprocess.Popen] = set()  # the training runs under way, stopped with this tool
+
+
+def stop_runs(signum: int, _frame) -> None:
+    """Stopped (a time limit's SIGTERM, Ctrl-C): stop the runs too, so none keeps its devices."""
+    for run in list(RUNNING):
+        run.terminate()
+    sys.exit(128 + signum)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -40,9 +54,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--control", default="moe_matmul=ragged_dot", help="key=value of the noise-floor run ('' for none)"
     )
     parser.add_argument("--threshold", type=float, default=0.0025, help="relative loss error allowed")
+    parser.add_argument("--jobs", type=int, default=1, help="runs trained at once")
+    parser.add_argument(
+        "--reuse", action="store_true", help="keep a run already in --out that reached --steps (no retraining)"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "fp8_loss_check")
     parser.add_argument("overrides", nargs="*", help="key=value for every run")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
     if args.steps < args.window:
         parser.error(f"--steps ({args.steps}) must be at least --window ({args.window})")
     try:
@@ -54,9 +74,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def read_metrics(path: Path) -> list[dict]:
+    """The logged training steps of a run's metrics.jsonl (none if it does not exist)."""
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r and "step" in r]
+
+
 def train(args: argparse.Namespace, name: str, seed: int) -> list[dict]:
     """One run (``name``: a recipe, the baseline or the control); its metrics records."""
     run = f"{args.model}-{name}-seed{seed}"
+    metrics = args.out / run / "metrics.jsonl"
+    if args.reuse and (records := read_metrics(metrics)) and records[-1]["step"] >= args.steps:
+        print(f"reused {run}: loss {records[-1]['loss']:.4f} at step {records[-1]['step']}", flush=True)
+        return records
     quantization = BASELINE if name == CONTROL else name
     keys = [
         f"model_name={args.model}",
@@ -70,12 +101,54 @@ def train(args: argparse.Namespace, name: str, seed: int) -> list[dict]:
         *args.overrides,
         *([args.control] if name == CONTROL else []),
     ]
-    print(f"training {run} ...", flush=True)
-    done = subprocess.run([sys.executable, "-m", "MaxText.train", *keys], cwd=REPO)
-    if done.returncode:
-        sys.exit(done.returncode)
-    lines = (args.out / run / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "loss" in r and "step" in r]
+    command = [sys.executable, "-m", "MaxText.train", *keys]
+    metrics.unlink(missing_ok=True)  # a run appends to its metrics: start this one's afresh
+    if args.jobs == 1:
+        print(f"training {run} ...", flush=True)
+        returncode = start_and_wait(command, os.environ)
+    else:  # several at once: each its share of a GPU's memory, its output to a file
+        env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{0.9 / args.jobs:.3f}", **os.environ}
+        args.out.mkdir(parents=True, exist_ok=True)
+        log = args.out / f"{run}.log"
+        with open(log, "w") as stream:
+            returncode = start_and_wait(command, env, stream)
+        if returncode:
+            print(log.read_text()[-3000:], file=sys.stderr)
+    if returncode:
+        raise RunFailed(f"{run} exited with {returncode}", returncode)
+    records = read_metrics(metrics)
+    if not records or records[-1]["step"] < args.steps:  # stopped early (a SIGTERM saves and exits 0)
+        raise RunFailed(f"{run} stopped before step {args.steps}", 1)
+    print(f"trained {run}: loss {records[-1]['loss']:.4f} at step {records[-1]['step']}", flush=True)
+    return records
+
+
+def start_and_wait(command: list[str], env, stream=None) -> int:
+    """Run one training process (known to ``stop_runs`` while it lives); its exit code."""
+    run = subprocess.Popen(command, cwd=REPO, env=env, stdout=stream, stderr=subprocess.STDOUT if stream else None)
+    RUNNING.add(run)
+    try:
+        return run.wait()
+    finally:
+        RUNNING.discard(run)
+
+
+class RunFailed(Exception):
+    """A training run failed or stopped early (its exit code is this tool's)."""
+
+    def __init__(self, why: str, returncode: int):
+        super().__init__(why)
+        self.returncode = returncode
+
+
+def train_all(args: argparse.Namespace, names: list[str]) -> dict[int, dict[str, list[dict]]]:
+    """Every (seed, run), ``--jobs`` at a time; {seed: {name: records}}."""
+    pool = ThreadPoolExecutor(args.jobs)
+    futures = {(seed, name): pool.submit(train, args, name, seed) for seed in args.seeds for name in names}
+    try:
+        return {seed: {name: futures[seed, name].result() for name in names} for seed in args.seeds}
+    finally:  # after a failure, start no more runs
+        pool.shutdown(cancel_futures=True)
 
 
 def losses(records: list[dict]) -> np.ndarray:
@@ -88,22 +161,28 @@ def relative_error(baseline: list[dict], run: list[dict], window: int) -> float:
     return float((ours - base) / base)
 
 
-def plot(runs: dict[str, list[dict]], path: Path) -> None:
-    """One seed's curves and their difference from its baseline."""
+def plot(runs: dict[int, dict[str, list[dict]]], path: Path) -> None:
+    """The runs' mean curves over seeds, and each run's difference from its seed's baseline
+    (each seed thin, their mean thick)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    base = losses(runs[BASELINE])
-    for i, (name, records) in enumerate(runs.items()):
-        steps, loss = np.array([r["step"] for r in records]), losses(records)
-        top.plot(steps, loss, label=name, lw=1, color=f"C{i}")
-        if name != BASELINE:
-            bottom.plot(steps, 100 * (loss - base) / base, label=name, lw=1, color=f"C{i}")
+    names = list(next(iter(runs.values())))
+    steps = np.array([r["step"] for r in runs[next(iter(runs))][BASELINE]])
+    for i, name in enumerate(names):
+        curves = np.array([losses(by_name[name]) for by_name in runs.values()])
+        top.plot(steps, curves.mean(0), label=name, lw=1, color=f"C{i}")
+        if name == BASELINE:
+            continue
+        bases = np.array([losses(by_name[BASELINE]) for by_name in runs.values()])
+        relative = 100 * (curves - bases) / bases
+        bottom.plot(steps, relative.T, lw=0.5, alpha=0.3, color=f"C{i}")
+        bottom.plot(steps, relative.mean(0), lw=1.5, color=f"C{i}", label=f"{name} (mean of {len(runs)} seeds)")
     bottom.axhspan(-0.25, 0.25, color="0.9", label="+-0.25%")
-    top.set_ylabel("loss")
+    top.set_ylabel(f"loss (mean of {len(runs)} seeds)")
     bottom.set_ylabel("vs baseline (%)")
     bottom.set_xlabel("step")
     top.legend()
@@ -114,27 +193,33 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    for stop in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop, stop_runs)
     recipes = [r for r in args.recipes.split(",") if r]
     names = [*recipes, *([CONTROL] if args.control else [])]
-    runs = {seed: {name: train(args, name, seed) for name in [BASELINE, *names]} for seed in args.seeds}
+    try:
+        runs = train_all(args, [BASELINE, *names])
+    except RunFailed as failure:
+        print(f"fp8_loss_check: {failure}", file=sys.stderr)
+        return failure.returncode
 
     print(f"\n{args.model}, {args.steps} steps, relative error of the mean loss over the last {args.window} steps")
     print(f"(control: {args.control or 'none'}; criterion: the mean over seeds within {100 * args.threshold:.2f}%)")
     header = "".join(f"{'seed ' + str(s):>10s}" for s in args.seeds)
-    print(f"{'run':16s}{header}{'mean':>10s}{'load max/mean':>15s}")
+    print(f"{'run':16s}{header}{'mean':>10s}{'s.e.':>8s}{'load max/mean':>15s}")
     failed = []
     for name in [BASELINE, *names]:
         by_seed = [relative_error(runs[s][BASELINE], runs[s][name], args.window) for s in args.seeds]
         load = np.mean([runs[s][name][-1].get("expert_load_max_over_mean", np.nan) for s in args.seeds])
         cells = "".join(f"{100 * e:+9.3f}%" for e in by_seed)
         mean = float(np.mean(by_seed))
-        print(f"{name:16s}{cells}{100 * mean:+9.3f}%{load:15.2f}")
+        error = float(np.std(by_seed, ddof=1) / np.sqrt(len(by_seed))) if len(by_seed) > 1 else np.nan
+        print(f"{name:16s}{cells}{100 * mean:+9.3f}%{100 * error:7.3f}%{load:15.2f}")
         if name in recipes and abs(mean) > args.threshold:
             failed.append(name)
-    for seed in args.seeds:
-        figure = args.out / f"{args.model}-seed{seed}-fp8_loss.png"
-        plot(runs[seed], figure)
-        print(f"plot: {figure}")
+    figure = args.out / f"{args.model}-fp8_loss.png"
+    plot(runs, figure)
+    print(f"plot: {figure}")
     if failed:
         print(f"mean over seeds past {100 * args.threshold:.2f}%: {', '.join(failed)}")
         return 1

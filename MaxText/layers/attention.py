@@ -20,10 +20,9 @@ import jax.numpy as jnp
 
 from MaxText.config import Config
 from MaxText.layers.attention_ops import attend
-from MaxText.layers.common import constrain, param
+from MaxText.layers.common import constrain, project
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.rotary import apply_rope
-from MaxText.quantization import linear, recipe_of
 
 
 class MLA(nn.Module):
@@ -34,27 +33,23 @@ class MLA(nn.Module):
         c = self.config
         D, H = x_BSD.shape[-1], c.base_num_query_heads
         nope, rope, V = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
-        fp8 = recipe_of(c)  # the projections' GEMMs in FP8 (None: in dtype); the attention core never
+        # The projections run in FP8 when `quantization` asks (`project`); the attention core never.
 
         # Queries: [B, S, H, nope + rope], optionally through the low-rank bottleneck.
         if c.q_lora_rank > 0:
-            wq_a = param(self, "wq_a", c, (D, c.q_lora_rank), ("embed", "q_lora"))
-            wq_b = param(self, "wq_b", c, (c.q_lora_rank, H, nope + rope), ("q_lora", "heads", "head_dim"))
-            cq_BSR = RMSNorm(c, name="q_norm")(linear(x_BSD, wq_a, fp8))
-            q_BSHK = linear(cq_BSR, wq_b, fp8)
+            cq_BSR = project(self, "wq_a", c, x_BSD, (D, c.q_lora_rank), ("embed", "q_lora"))
+            cq_BSR = RMSNorm(c, name="q_norm")(cq_BSR)
+            q_BSHK = project(self, "wq_b", c, cq_BSR, (c.q_lora_rank, H, nope + rope), ("q_lora", "heads", "head_dim"))
         else:
-            wq = param(self, "wq", c, (D, H, nope + rope), ("embed", "heads", "head_dim"))
-            q_BSHK = linear(x_BSD, wq, fp8)
+            q_BSHK = project(self, "wq", c, x_BSD, (D, H, nope + rope), ("embed", "heads", "head_dim"))
         q_nope, q_rope = q_BSHK[..., :nope], q_BSHK[..., nope:]
         q_rope = apply_rope(q_rope, positions_BS, c)
 
         # Keys and values from the compressed latent; the rotary key is shared by all heads.
-        wkv_a = param(self, "wkv_a", c, (D, c.kv_lora_rank + rope), ("embed", "kv_lora"))
-        wkv_b = param(self, "wkv_b", c, (c.kv_lora_rank, H, nope + V), ("kv_lora", "heads", "head_dim"))
-        kv_a = linear(x_BSD, wkv_a, fp8)
+        kv_a = project(self, "wkv_a", c, x_BSD, (D, c.kv_lora_rank + rope), ("embed", "kv_lora"))
         latent_BSR = RMSNorm(c, name="kv_norm")(kv_a[..., : c.kv_lora_rank])
         k_rope_BS1 = apply_rope(kv_a[..., None, c.kv_lora_rank :], positions_BS, c)
-        kv_BSHK = linear(latent_BSR, wkv_b, fp8)
+        kv_BSHK = project(self, "wkv_b", c, latent_BSR, (c.kv_lora_rank, H, nope + V), ("kv_lora", "heads", "head_dim"))
         k_nope, v_BTHV = kv_BSHK[..., :nope], kv_BSHK[..., nope:]
 
         # Causal, document-masked softmax attention over per-head [nope ; rope] queries and keys.
@@ -63,5 +58,4 @@ class MLA(nn.Module):
         out_BSHV = attend(q_BSHK, k_BTHK, v_BTHV, segment_ids_BS, c)
         out_BSHV = constrain(out_BSHV, ("activation_batch", "activation_length", "activation_heads", None))
 
-        wo = param(self, "wo", c, (H, V, D), ("heads", "head_dim", "embed"))
-        return linear(out_BSHV, wo, fp8, contract=2)
+        return project(self, "wo", c, out_BSHV, (H, V, D), ("heads", "head_dim", "embed"), contract=2)

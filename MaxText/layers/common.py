@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from MaxText.config import Config
+from MaxText.quantization import linear, recipe_of
 
 
 def activation_dtype(config: Config) -> jnp.dtype:
@@ -40,6 +41,22 @@ def param(module: nn.Module, name: str, config: Config, shape: Sequence[int], lo
     """Declare a matrix parameter of ``weight_dtype``; returns it cast to the activation dtype."""
     value = module.param(name, kernel_init(config, logical_axes), tuple(shape), weight_dtype(config))
     return jnp.asarray(value, activation_dtype(config))
+
+
+def project(
+    module: nn.Module,
+    name: str,
+    config: Config,
+    x: jnp.ndarray,
+    shape: Sequence[int],
+    logical_axes: Sequence[str],
+    contract: int = 1,
+) -> jnp.ndarray:
+    """``x`` contracted over its last ``contract`` dims with a new weight ``name`` (declared as
+    ``param`` does): a tensordot, or FP8 GEMMs when ``quantization`` asks, whose weight gradient
+    is left split as the weight is stored (``quantization.linear``)."""
+    w = param(module, name, config, shape, logical_axes)
+    return linear(x, w, recipe_of(config), contract, logical_axes)
 
 
 def constrain(x, logical_axes: Sequence[str]):

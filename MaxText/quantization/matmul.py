@@ -33,8 +33,10 @@ features.
 """
 
 import math
+from collections.abc import Sequence
 from functools import partial
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -79,14 +81,15 @@ def mx_gemm(a_MK, b_NK, recipe: Recipe) -> jax.Array:
     return out[0]
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def fp8_matmul(x_LK: jax.Array, w_KN: jax.Array, recipe: Recipe) -> jax.Array:
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def fp8_matmul(x_LK: jax.Array, w_KN: jax.Array, recipe: Recipe, w_spec: P | None = None) -> jax.Array:
     """``x @ w`` with FP8 operands in all three GEMMs; the result in x's dtype. x has one or more
     leading dims (``L``: tokens, e.g. batch and sequence, kept apart so that their sharding is
     untouched); the weight gradient contracts all of them, its tiles running along the last
     (consecutive tokens of a sequence: the flattened tokens' tiles when it is a multiple of the
-    block)."""
-    return _fp8_matmul_fwd(x_LK, w_KN, recipe)[0]
+    block). ``w_spec``: how the weight is stored across the mesh (``weight_spec``), where the
+    ``cudnn`` GEMMs leave its gradient; None leaves that to XLA."""
+    return _fp8_matmul_fwd(x_LK, w_KN, recipe, w_spec)[0]
 
 
 def _tokens_contracted(a_LX: jax.Array, b_LY: jax.Array, out_dtype) -> jax.Array:
@@ -110,17 +113,65 @@ def token_split(x_LK: jax.Array) -> tuple[str, ...]:
     return tuple(axes)
 
 
-def per_device(gemm, tokens: tuple[str, ...], *operands: jax.Array, tokens_contracted: bool = False) -> jax.Array:
+def _names(axes: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """A PartitionSpec entry's mesh axes as a tuple."""
+    return (axes,) if isinstance(axes, str) else tuple(axes or ())
+
+
+def weight_spec(logical_axes: Sequence[str | None], contract: int) -> P | None:
+    """How a weight declared with ``logical_axes`` is split over the mesh once flattened to the
+    2-D [K, N] of its GEMM (its first ``contract`` dims K), from the current axis rules; mesh axes
+    of size 1 left out. None outside a mesh, or when a flattened dim is split other than along
+    its leading (major) declared dim: then its shards are not contiguous blocks of [K, N]."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    spec = nn.logical_to_mesh_axes(tuple(logical_axes))
+    axes = [tuple(a for a in _names(d) if mesh.shape[a] > 1) for d in spec]
+    flat = []
+    for group in (axes[:contract], axes[contract:]):
+        if any(group[1:]):
+            return None
+        flat.append(group[0] or None)
+    return P(*flat)
+
+
+def summed_onto(partial_KN: jax.Array, tokens: tuple[str, ...], spec: P) -> jax.Array:
+    """A device's partial weight gradient summed over the ``tokens`` axes and left split as
+    ``spec`` (inside a shard_map): reduce-scattered over the spec's axes, then all-reduced over
+    the other token axes, in its own dtype; the FSDP gather's transpose, as XLA makes it for
+    the unquantized GEMM."""
+    scattered = ()
+    for dim, axes in enumerate(map(_names, spec)):
+        if axes:
+            partial_KN = jax.lax.psum_scatter(partial_KN, axes, scatter_dimension=dim, tiled=True)
+            scattered += axes
+    rest = tuple(a for a in tokens if a not in scattered)
+    return jax.lax.psum(partial_KN, rest) if rest else partial_KN
+
+
+def per_device(
+    gemm, tokens: tuple[str, ...], *operands: jax.Array, tokens_contracted: bool = False, out_spec: P | None = None
+) -> jax.Array:
     """``gemm`` on each device's tokens, every operand split along its leading (tokens) dim over
     ``tokens`` but the last, a weight, which each device takes whole. cuDNN's block-scaled GEMM
     is partitioned by JAX's ``custom_partitioning``, which on a sharded mesh turns the E8M0 scales
     into collectives (NCCL has no such type, and the 671B recipe's compile fails in the
-    partitioner); inside a shard_map it is a local call, and the FSDP gathers and gradient sums
-    stay XLA's, in the model's dtype. With ``tokens_contracted`` (the weight gradient) each device
-    gives its partial sum and the sum over devices is left to XLA, outside."""
+    partitioner); inside a shard_map it is a local call, and the FSDP gathers stay XLA's, in the
+    model's dtype. With ``tokens_contracted`` (the weight gradient) each device's partial sum is
+    summed onto ``out_spec`` inside (``summed_onto``) when the spec's axes all split the tokens;
+    otherwise the sum over devices is left to XLA, outside, which on the 671B recipe's mesh
+    all-reduced the dense layers' whole gradients over every GPU."""
     if not tokens:
         return gemm(*operands)
     split, whole = P(tokens), P()
+    if tokens_contracted and out_spec is not None and all(set(a) <= set(tokens) for a in map(_names, out_spec)):
+        return jax.shard_map(
+            lambda *ops: summed_onto(gemm(*ops), tokens, out_spec),
+            in_specs=(split,) * len(operands),
+            out_specs=out_spec,
+            check_vma=False,
+        )(*operands)
     if tokens_contracted:
         partials = jax.shard_map(
             lambda *ops: gemm(*ops)[None], in_specs=(split,) * len(operands), out_specs=split, check_vma=False
@@ -131,7 +182,7 @@ def per_device(gemm, tokens: tuple[str, ...], *operands: jax.Array, tokens_contr
     return jax.shard_map(gemm, in_specs=in_specs, out_specs=split, check_vma=False)(*operands)
 
 
-def _fp8_matmul_fwd(x_LK, w_KN, recipe):
+def _fp8_matmul_fwd(x_LK, w_KN, recipe, w_spec):
     if recipe.gemm == "cudnn":  # the tokens flattened: [M, K] x [N, K]
 
         def forward(x_LK, w_KN):
@@ -145,7 +196,7 @@ def _fp8_matmul_fwd(x_LK, w_KN, recipe):
     return y.astype(x_LK.dtype), (x_LK, w_KN)
 
 
-def _fp8_matmul_bwd(recipe, residuals, g_LN):
+def _fp8_matmul_bwd(recipe, w_spec, residuals, g_LN):
     x_LK, w_KN = residuals
     if recipe.gemm == "cudnn":
 
@@ -159,7 +210,7 @@ def _fp8_matmul_bwd(recipe, residuals, g_LN):
 
         tokens = token_split(x_LK)
         dx = per_device(input_gradient, tokens, g_LN, w_KN)
-        dw = per_device(weight_gradient, tokens, x_LK, g_LN, tokens_contracted=True)
+        dw = per_device(weight_gradient, tokens, x_LK, g_LN, tokens_contracted=True, out_spec=w_spec)
     else:
         w_for_dx = fake_quantize(w_KN, recipe, weight_axis(recipe, 1))
         dx = fp8_gemm(fake_quantize(g_LN, recipe, -1), w_for_dx.T, x_LK.dtype)
@@ -170,14 +221,18 @@ def _fp8_matmul_bwd(recipe, residuals, g_LN):
 fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
 
 
-def linear(x: jax.Array, w: jax.Array, recipe: Recipe | None, contract: int = 1) -> jax.Array:
+def linear(
+    x: jax.Array, w: jax.Array, recipe: Recipe | None, contract: int = 1, w_axes: Sequence[str] | None = None
+) -> jax.Array:
     """Contract x's last ``contract`` dims with w's first ``contract`` dims (every projection of
     the model has this form: ``bsd,df->bsf``, ``bsr,rhk->bshk``, ``bshv,hvd->bsd``). With a recipe
     it runs as one FP8 GEMM over the flattened contracted dims, [..., K] x [K, N] (the weights'
-    2-D layout in DeepSeek's released FP8 checkpoints, so their 128 x 128 blocks are the same)."""
+    2-D layout in DeepSeek's released FP8 checkpoints, so their 128 x 128 blocks are the same).
+    ``w_axes``: the weight's declared logical axes, where its FP8 gradient is left (``weight_spec``)."""
     if recipe is None:
         return jnp.tensordot(x, w, axes=contract)
     lead, out = x.shape[: x.ndim - contract], w.shape[contract:]
     K = math.prod(w.shape[:contract])
-    y = fp8_matmul(x.reshape(*lead, K), w.reshape(K, -1), recipe)
+    spec = None if w_axes is None else weight_spec(w_axes, contract)
+    y = fp8_matmul(x.reshape(*lead, K), w.reshape(K, -1), recipe, spec)
     return y.reshape(*lead, *out)

@@ -1,0 +1,53 @@
+"""tools/fp8_loss_check.py's criterion on runs already trained (``--reuse``): the relative error
+of each recipe's mean loss over the last ``--window`` steps against its seed's baseline, its mean
+over seeds held to the threshold (exit 1 naming the recipe past it), the standard error, the plot.
+The training itself is the entry point's, tested in test_train.py."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_run(out: Path, name: str, losses: np.ndarray) -> None:
+    run = out / name
+    run.mkdir(parents=True)
+    lines = [{"step": i + 1, "loss": float(v), "expert_load_max_over_mean": 1.25} for i, v in enumerate(losses)]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [{"event": "start"}, *lines]) + "\n")
+
+
+def test_the_criterion_is_the_mean_over_seeds_of_the_last_steps(tmp_path):
+    steps, window = 30, 10
+    curve = np.linspace(3.0, 1.0, steps)
+    offsets = {  # each run's relative offset over the last `window` steps, per seed
+        "fp8_blockwise": (+0.001, -0.003),  # mean -0.1%: within 0.25%
+        "mxfp8": (+0.004, +0.002),  # mean +0.3%: past it
+        "control": (0.0, +0.0002),
+    }
+    for seed in (0, 1):
+        write_run(tmp_path, f"deepseek3-tiny-none-seed{seed}", curve)
+        for name, by_seed in offsets.items():
+            moved = curve.copy()
+            moved[-window:] *= 1 + by_seed[seed]
+            moved[:-window] *= 1.5  # before the window: not counted
+            write_run(tmp_path, f"deepseek3-tiny-{name}-seed{seed}", moved)
+    done = subprocess.run(
+        [sys.executable, "tools/fp8_loss_check.py", "--steps", str(steps), "--window", str(window)]
+        + ["--seeds", "0,1", "--reuse", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    rows = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines() if line.split()}
+    assert rows["fp8_blockwise"][:4] == ["+0.100%", "-0.300%", "-0.100%", "0.200%"]
+    assert rows["mxfp8"][:4] == ["+0.400%", "+0.200%", "+0.300%", "0.100%"]
+    assert rows["mxfp8"][4] == "1.25"  # the experts' balance at the end
+    assert done.stdout.strip().splitlines()[-1] == "mean over seeds past 0.25%: mxfp8"
+    assert "trained" not in done.stdout  # every run reused
+    assert (tmp_path / "deepseek3-tiny-fp8_loss.png").stat().st_size > 0
