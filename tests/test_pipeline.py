@@ -1,0 +1,117 @@
+"""The circular pipeline (``parallel/pipeline.py``) on 8 simulated CPU devices, float32: outputs,
+per-layer statistics and every gradient equal the layers applied one after another to each
+micro-batch (written out here with a Python loop), for 2 and 4 stages, 1 and 2 repeats, p and 2p
+micro-batches, with FSDP inside the stages; bubbles filled with NaN leave no NaN anywhere."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from MaxText.parallel.pipeline import bubble_fraction, circular_pipeline, from_stages, to_stages
+
+D, F, B, S = 16, 32, 4, 8  # model dim, hidden dim, rows per micro-batch, sequence
+
+
+def layer(params, x, scale):
+    """A residual MLP layer with a statistic that depends on its input (like an expert load) and
+    a side input each micro-batch has its own of (like positions)."""
+    h = jnp.tanh(jnp.einsum("bsd,df->bsf", x * scale[:, :, None], params["w_in"]))
+    y = x + jnp.einsum("bsf,fd->bsd", h, params["w_out"])
+    return y, {"load": jnp.sum(h > 0, axis=(0, 1)).astype(jnp.float32), "sq": jnp.mean(y**2)}
+
+
+def reference(stack, x_MB, scale_MB):
+    """Layer after layer on each micro-batch; each layer's statistics summed over micro-batches."""
+    L = stack["w_in"].shape[0]
+    totals = None
+    outs = []
+    for x, scale in zip(x_MB, scale_MB, strict=True):
+        per_layer = []
+        for i in range(L):
+            x, st = layer(jax.tree.map(lambda w, i=i: w[i], stack), x, scale)
+            per_layer.append(st)
+        outs.append(x)
+        stacked = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+        totals = stacked if totals is None else jax.tree.map(jnp.add, totals, stacked)
+    return jnp.stack(outs), totals
+
+
+def make_stack(layers: int, key) -> dict:
+    k1, k2 = jax.random.split(key)
+    return {
+        "w_in": jax.random.normal(k1, (layers, D, F)) / np.sqrt(D),
+        "w_out": jax.random.normal(k2, (layers, F, D)) / np.sqrt(F),
+    }
+
+
+def objective(outputs, stats):
+    """A scalar that every output and statistic reaches (so every gradient path is checked)."""
+    return jnp.sum(outputs**2) + jnp.sum(stats["sq"] * jnp.arange(1, stats["sq"].size + 1).reshape(stats["sq"].shape))
+
+
+def assert_close(got, want, tolerance=1e-5):
+    """Within ``tolerance`` of the reference's largest magnitude (float32 sums in another order)."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=0, atol=tolerance * max(np.abs(want).max(), 1.0))
+
+
+# p in {2, 4}, r in {1, 2}, m in {p, 2p}, one layer per stage; and two layers per stage once.
+CASES = [(p, r, m, 1) for p, r in itertools.product((2, 4), (1, 2)) for m in (p, 2 * p)] + [(2, 2, 4, 2)]
+
+
+@pytest.mark.parametrize("stages, repeats, microbatches, per_stage", CASES)
+def test_pipelined_layers_equal_the_layers_in_order(stages, repeats, microbatches, per_stage):
+    layers = stages * repeats * per_stage
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(stages, 8 // stages), ("stage", "fsdp"))
+    kx, kw = jax.random.split(jax.random.key(stages * 100 + repeats * 10 + microbatches + per_stage))
+    stack = make_stack(layers, kw)
+    x_MB = jax.random.normal(kx, (microbatches, B, S, D))
+    scale_MB = 1 + jnp.arange(microbatches * B * S, dtype=jnp.float32).reshape(microbatches, B, S) / 100
+
+    want_out, want_stats = reference(stack, x_MB, scale_MB)
+
+    def want_loss(stack, x_MB):
+        return objective(*reference(stack, x_MB, scale_MB))
+
+    want_grads = jax.grad(want_loss, argnums=(0, 1))(stack, x_MB)
+
+    def pipelined(stack, x_MB, fill=0.0):
+        out, stats = circular_pipeline(layer, to_stages(stack, stages, repeats), x_MB, scale_MB, fill=fill)
+        return out, from_stages(stats)
+
+    weights = NamedSharding(mesh, P(None, "fsdp"))  # FSDP inside the stages
+    batch = NamedSharding(mesh, P(None, "fsdp"))
+    with jax.set_mesh(mesh):
+        stack_sharded = jax.device_put(stack, weights)
+        x_sharded = jax.device_put(x_MB, batch)
+        for fill in (0.0, np.nan):
+            out, stats = jax.jit(lambda s, x, fill=fill: pipelined(s, x, fill))(stack_sharded, x_sharded)
+            assert_close(out, want_out)
+            for name in want_stats:
+                assert_close(stats[name], want_stats[name])
+            grads = jax.jit(jax.grad(lambda s, x, fill=fill: objective(*pipelined(s, x, fill)), argnums=(0, 1)))(
+                stack_sharded, x_sharded
+            )
+            for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+                assert_close(got, want)
+
+
+def test_the_bubble_is_p_minus_1_of_the_iterations():
+    assert bubble_fraction(4, 1, 4) == pytest.approx(3 / 7)
+    assert bubble_fraction(4, 2, 8) == pytest.approx(3 / 19)
+    assert bubble_fraction(1, 3, 5) == 0
+
+
+def test_fewer_micro_batches_than_stages_are_refused():
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("stage", "fsdp"))
+    stack = to_stages(make_stack(4, jax.random.key(0)), 4, 1)
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="3 micro-batches cannot fill 4 stages"):
+        circular_pipeline(layer, stack, jnp.zeros((3, B, S, D)))
+    with pytest.raises(ValueError, match="6 layers do not split into 4 stages x 1 repeats"):
+        to_stages(make_stack(6, jax.random.key(0)), 4, 1)
