@@ -168,6 +168,8 @@ with compiling_for("gpu"), answering_device_queries(target):
         step = jax.jit(jax.grad(loss, argnums=(0, 1)), out_shardings=(tokens, stored))
         hlo = step.lower(x, w).compile().as_text()
 print(hlo.count('custom_call_target="__cudnn$blockScaledDot"'))
+calls = [line for line in hlo.splitlines() if 'custom_call_target="__cudnn$blockScaledDot"' in line]
+print(sorted(re.match(r"\((\w+)\[", call.split(" = ")[1]).group(1) for call in calls))  # the GEMMs' result types
 ops = r"(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)-start"
 print(sorted(re.findall(r"(bf16|f32|f8\w+|u8|s32)(\[[\d,]*\])[^ ]* " + ops, hlo)))
 """
@@ -191,7 +193,8 @@ def test_cudnn_fp8_gemms_compile_on_a_sharded_mesh(mesh, collectives):
     """``fp8_gemm=cudnn`` for 8 GB200, tokens split over the mesh, the weight as the rules store
     it: the forward and both gradients are cuDNN block-scaled dots, each device's own (no E8M0
     scales cross a collective: JAX's partitioner of ``scaled_matmul`` sent them through NCCL,
-    which has no such type); the weight's FSDP gather is bfloat16's, and its gradient is
+    which has no such type); each GEMM writes bfloat16 (a float32 result cast afterwards cost the
+    GB200 recipe 32 GB per GPU); the weight's FSDP gather is bfloat16's, and its gradient is
     reduce-scattered onto the weight's shards before the sum over ``data`` (left to XLA, the whole
     gradient was all-reduced over all 8, as the 671B recipe's dense layers were over 256 GPUs)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
@@ -199,8 +202,9 @@ def test_cudnn_fp8_gemms_compile_on_a_sharded_mesh(mesh, collectives):
         [GPU_PYTHON, "-c", CUDNN_FP8_GEMM, mesh], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    dots, found = out.stdout.strip().splitlines()[-2:]
+    dots, results, found = out.stdout.strip().splitlines()[-3:]
     assert int(dots) == 3
+    assert results == str(["bf16"] * 3)  # in the model's dtype from the GEMM: no float32 copy of each output
     assert found == str(sorted(collectives))
 
 

@@ -304,9 +304,11 @@ def test_the_weight_gradient_is_summed_onto_the_weights_own_split():
     tokens = ("data", "fsdp", "expert")
     gemm = partial(jnp.einsum, "bsk,bsn->kn")
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)):
-        assert weight_spec(("embed", "q_lora"), 1) == P(("fsdp", "expert"), None)
-        assert weight_spec(("kv_lora", "heads", "head_dim"), 1) == P(("fsdp", "expert"), None)
-        assert weight_spec(("mlp", "embed"), 1) == P(None, ("fsdp", "expert"))
+        assert weight_spec(("embed", "q_lora"), (32, 16), 1) == P(("fsdp", "expert"), None)
+        assert weight_spec(("kv_lora", "heads", "head_dim"), (32, 4, 8), 1) == P(("fsdp", "expert"), None)
+        # As the weight is stored: where fsdp x expert does not divide the dim, fsdp alone.
+        assert weight_spec(("kv_lora", "heads", "head_dim"), (6, 4, 8), 1) == P("fsdp", None)
+        assert weight_spec(("mlp", "embed"), (16, 32), 1) == P(None, ("fsdp", "expert"))
         for spec in (P(("fsdp", "expert"), None), P(None, ("fsdp", "expert")), P("fsdp", None), P(None, "expert")):
             got = jax.jit(lambda x, g, spec=spec: per_device(gemm, tokens, x, g, tokens_contracted=True, out_spec=spec))
             out = got(x, g)
@@ -314,6 +316,6 @@ def test_the_weight_gradient_is_summed_onto_the_weights_own_split():
             np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
     tensor = make_config("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
     with jax.set_mesh(make_mesh(tensor)), nn.logical_axis_rules(axis_rules(tensor)):
-        assert weight_spec(("heads", "head_dim", "embed"), 2) == P("tensor", "fsdp")
-        assert weight_spec(("kv_lora", "heads", "head_dim"), 1) == P("fsdp", "tensor")  # heads lead N
-        assert weight_spec(("kv_lora", "head_dim", "heads"), 1) is None  # split inside N: not blocks
+        assert weight_spec(("heads", "head_dim", "embed"), (4, 8, 32), 2) == P("tensor", "fsdp")
+        assert weight_spec(("kv_lora", "heads", "head_dim"), (32, 4, 8), 1) == P("fsdp", "tensor")  # heads lead N
+        assert weight_spec(("kv_lora", "head_dim", "heads"), (32, 8, 4), 1) is None  # split inside N: not blocks

@@ -26,6 +26,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,12 +35,28 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 BASELINE, CONTROL = "none", "control"
 RUNNING: set[subprocess.Popen] = set()  # the training runs under way, stopped with this tool
+LOCK = threading.Lock()  # guards RUNNING and STOPPING together: no run starts once stopping began
+STOPPING = threading.Event()
+
+
+def stop_all() -> None:
+    """Start no more runs and stop those under way (SIGTERM, then SIGKILL after 30 s), so that none
+    keeps its devices."""
+    with LOCK:
+        STOPPING.set()
+        runs = list(RUNNING)
+    for run in runs:
+        run.terminate()
+    for run in runs:
+        try:
+            run.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            run.kill()
 
 
 def stop_runs(signum: int, _frame) -> None:
-    """Stopped (a time limit's SIGTERM, Ctrl-C): stop the runs too, so none keeps its devices."""
-    for run in list(RUNNING):
-        run.terminate()
+    """Stopped (a time limit's SIGTERM, Ctrl-C): stop the runs too."""
+    stop_all()
     sys.exit(128 + signum)
 
 
@@ -56,7 +73,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threshold", type=float, default=0.0025, help="relative loss error allowed")
     parser.add_argument("--jobs", type=int, default=1, help="runs trained at once")
     parser.add_argument(
-        "--reuse", action="store_true", help="keep a run already in --out that reached --steps (no retraining)"
+        "--reuse", action="store_true", help="keep a run in --out trained with the same keys to --steps (no retraining)"
     )
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "fp8_loss_check")
     parser.add_argument("overrides", nargs="*", help="key=value for every run")
@@ -81,28 +98,36 @@ def read_metrics(path: Path) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r and "step" in r]
 
 
-def train(args: argparse.Namespace, name: str, seed: int) -> list[dict]:
-    """One run (``name``: a recipe, the baseline or the control); its metrics records."""
-    run = f"{args.model}-{name}-seed{seed}"
-    metrics = args.out / run / "metrics.jsonl"
-    if args.reuse and (records := read_metrics(metrics)) and records[-1]["step"] >= args.steps:
-        print(f"reused {run}: loss {records[-1]['loss']:.4f} at step {records[-1]['step']}", flush=True)
-        return records
-    quantization = BASELINE if name == CONTROL else name
-    keys = [
+def run_keys(args: argparse.Namespace, name: str, seed: int) -> list[str]:
+    """What makes a run what it is (the config keys but its output folder): a reused run must
+    have been trained with these."""
+    return [
         f"model_name={args.model}",
         f"steps={args.steps}",
         "log_period=1",
         "enable_checkpointing=false",
         f"seed={seed}",
-        f"quantization={quantization}",
-        f"run_name={run}",
-        f"base_output_directory={args.out}",
+        f"quantization={BASELINE if name == CONTROL else name}",
+        f"run_name={args.model}-{name}-seed{seed}",
         *args.overrides,
         *([args.control] if name == CONTROL else []),
     ]
-    command = [sys.executable, "-m", "MaxText.train", *keys]
+
+
+def train(args: argparse.Namespace, name: str, seed: int) -> list[dict]:
+    """One run (``name``: a recipe, the baseline or the control); its metrics records."""
+    run = f"{args.model}-{name}-seed{seed}"
+    metrics = args.out / run / "metrics.jsonl"
+    keys = run_keys(args, name, seed)
+    trained_with = args.out / run / "fp8_loss_check.json"  # the keys it was trained with
+    if args.reuse and trained_with.exists() and json.loads(trained_with.read_text()) == keys:
+        records = [r for r in read_metrics(metrics) if r["step"] <= args.steps]
+        if records and records[-1]["step"] == args.steps:
+            print(f"reused {run}: loss {records[-1]['loss']:.4f} at step {args.steps}", flush=True)
+            return records
+    command = [sys.executable, "-m", "MaxText.train", *keys, f"base_output_directory={args.out}"]
     metrics.unlink(missing_ok=True)  # a run appends to its metrics: start this one's afresh
+    trained_with.unlink(missing_ok=True)
     if args.jobs == 1:
         print(f"training {run} ...", flush=True)
         returncode = start_and_wait(command, os.environ)
@@ -119,14 +144,18 @@ def train(args: argparse.Namespace, name: str, seed: int) -> list[dict]:
     records = read_metrics(metrics)
     if not records or records[-1]["step"] < args.steps:  # stopped early (a SIGTERM saves and exits 0)
         raise RunFailed(f"{run} stopped before step {args.steps}", 1)
+    trained_with.write_text(json.dumps(keys))
     print(f"trained {run}: loss {records[-1]['loss']:.4f} at step {records[-1]['step']}", flush=True)
     return records
 
 
 def start_and_wait(command: list[str], env, stream=None) -> int:
-    """Run one training process (known to ``stop_runs`` while it lives); its exit code."""
-    run = subprocess.Popen(command, cwd=REPO, env=env, stdout=stream, stderr=subprocess.STDOUT if stream else None)
-    RUNNING.add(run)
+    """Run one training process (known to ``stop_all`` while it lives); its exit code."""
+    with LOCK:
+        if STOPPING.is_set():
+            raise RunFailed("stopped", 1)
+        run = subprocess.Popen(command, cwd=REPO, env=env, stdout=stream, stderr=subprocess.STDOUT if stream else None)
+        RUNNING.add(run)
     try:
         return run.wait()
     finally:
@@ -147,7 +176,10 @@ def train_all(args: argparse.Namespace, names: list[str]) -> dict[int, dict[str,
     futures = {(seed, name): pool.submit(train, args, name, seed) for seed in args.seeds for name in names}
     try:
         return {seed: {name: futures[seed, name].result() for name in names} for seed in args.seeds}
-    finally:  # after a failure, start no more runs
+    except RunFailed:  # one failed: start no more, stop the others
+        stop_all()
+        raise
+    finally:
         pool.shutdown(cancel_futures=True)
 
 

@@ -53,8 +53,8 @@ def project(
     contract: int = 1,
 ) -> jnp.ndarray:
     """``x`` contracted over its last ``contract`` dims with a new weight ``name`` (declared as
-    ``param`` does): a tensordot, or FP8 GEMMs when ``quantization`` asks, whose weight gradient
-    is left split as the weight is stored (``quantization.linear``)."""
+    ``param`` does): a tensordot, or FP8 GEMMs when ``quantization`` asks (``quantization.linear``;
+    its cuDNN GEMMs leave the weight gradient split as the weight is stored where the mesh allows)."""
     w = param(module, name, config, shape, logical_axes)
     return linear(x, w, recipe_of(config), contract, logical_axes)
 

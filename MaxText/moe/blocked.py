@@ -126,7 +126,7 @@ def _mm(a, b, recipe: Recipe | None, dtype) -> jax.Array:
     if recipe is None:
         return a @ b
     if recipe.gemm == "cudnn":  # b: the weight's operand, [rows, K]
-        return mx_gemm(a, b, recipe).astype(dtype)
+        return mx_gemm(a, b, recipe, dtype)
     return fp8_gemm(a, b, dtype)
 
 

@@ -66,7 +66,7 @@ from jax.sharding import PartitionSpec as P
 
 from MaxText.config import Config
 from MaxText.moe.dispatch import gather_rows, in_rounds, sum_copies
-from MaxText.parallel.sharding import batch_mesh_axes, parameter_mesh_axes
+from MaxText.parallel.sharding import batch_mesh_axes, stored_spec
 from MaxText.quantization import recipe_of
 from MaxText.quantization.dispatch import fp8_moved
 
@@ -411,13 +411,6 @@ def expert_parallel_experts(
         out_specs=token_spec,
         check_vma=False,
     )(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo)
-
-
-def stored_spec(shape: tuple[int, ...], logical_axes: tuple[str, ...]) -> P:
-    """How a routed expert weight is stored (``parameter_mesh_axes`` with the rules in force): the
-    shard_map takes it as stored, and gathers inside."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return P(*parameter_mesh_axes(logical_axes, shape, nn.get_logical_axis_rules(), dict(mesh.shape)))
 
 
 def gather_weight(w: jax.Array, spec: P, axis: str) -> jax.Array:

@@ -109,6 +109,16 @@ def parameter_mesh_axes(
     return tuple(result)
 
 
+def stored_spec(shape: tuple[int, ...], logical_axes: Sequence[str | None]) -> PartitionSpec:
+    """How a parameter of ``shape`` declared with ``logical_axes`` is stored across the current
+    mesh (``parameter_mesh_axes`` with the rules in force): what a shard_map that takes it as
+    stored, or leaves its gradient as stored, names."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return PartitionSpec(
+        *parameter_mesh_axes(tuple(logical_axes), shape, nn.get_logical_axis_rules(), dict(mesh.shape))
+    )
+
+
 def parameter_specs(boxed_tree: Any, axis_sizes: dict[str, int], config: Config) -> Any:
     """A PartitionSpec per boxed leaf (``parameter_mesh_axes``). Needs only the mesh's axis sizes,
     so a cluster layout can be checked without its devices; a split that cannot divide raises a

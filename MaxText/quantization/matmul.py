@@ -36,12 +36,11 @@ import math
 from collections.abc import Sequence
 from functools import partial
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from MaxText.parallel.sharding import batch_mesh_axes
+from MaxText.parallel.sharding import batch_mesh_axes, stored_spec
 from MaxText.quantization.quantize import Recipe, fake_quantize, quantize
 
 
@@ -72,12 +71,14 @@ def mx_operand(x_RK: jax.Array, recipe: Recipe) -> tuple[jax.Array, jax.Array]:
     return values, jax.lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu)
 
 
-def mx_gemm(a_MK, b_NK, recipe: Recipe) -> jax.Array:
-    """``a @ b^T`` [M, N] in float32 by cuDNN's block-scaled GEMM (``jax.nn.scaled_matmul``, XLA's
-    ``__op$block_scaled_dot``; GPU only), E4M3 values with E8M0 scales. Each operand is an array
-    (quantized here, ``mx_operand``) or an ``mx_operand`` already."""
+def mx_gemm(a_MK, b_NK, recipe: Recipe, out_dtype=jnp.float32) -> jax.Array:
+    """``a @ b^T`` [M, N] by cuDNN's block-scaled GEMM (``jax.nn.scaled_matmul``, XLA's
+    ``__op$block_scaled_dot``; GPU only), E4M3 values with E8M0 scales, accumulated in float32 and
+    given in ``out_dtype`` (rounded in the GEMM's epilogue: a float32 result cast afterwards is a
+    float32 buffer of every GEMM's output, 32 GB more per GPU in the GB200 recipe's compile). Each
+    operand is an array (quantized here, ``mx_operand``) or an ``mx_operand`` already."""
     (a, sa), (b, sb) = (t if isinstance(t, tuple) else mx_operand(t, recipe) for t in (a_MK, b_NK))
-    out = jax.nn.scaled_matmul(a[None], b[None], sa[None], sb[None], preferred_element_type=jnp.float32)
+    out = jax.nn.scaled_matmul(a[None], b[None], sa[None], sb[None], preferred_element_type=out_dtype)
     return out[0]
 
 
@@ -118,15 +119,15 @@ def _names(axes: str | tuple[str, ...] | None) -> tuple[str, ...]:
     return (axes,) if isinstance(axes, str) else tuple(axes or ())
 
 
-def weight_spec(logical_axes: Sequence[str | None], contract: int) -> P | None:
-    """How a weight declared with ``logical_axes`` is split over the mesh once flattened to the
-    2-D [K, N] of its GEMM (its first ``contract`` dims K), from the current axis rules; mesh axes
-    of size 1 left out. None outside a mesh, or when a flattened dim is split other than along
-    its leading (major) declared dim: then its shards are not contiguous blocks of [K, N]."""
+def weight_spec(logical_axes: Sequence[str | None], shape: Sequence[int], contract: int) -> P | None:
+    """How a weight of ``shape`` declared with ``logical_axes`` is stored across the mesh
+    (``stored_spec``), once flattened to the 2-D [K, N] of its GEMM (its first ``contract`` dims
+    K); mesh axes of size 1 left out. None outside a mesh, or when a flattened dim is split other
+    than along its leading (major) declared dim: then its shards are not contiguous blocks of [K, N]."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
-    spec = nn.logical_to_mesh_axes(tuple(logical_axes))
+    spec = stored_spec(tuple(shape), logical_axes)
     axes = [tuple(a for a in _names(d) if mesh.shape[a] > 1) for d in spec]
     flat = []
     for group in (axes[:contract], axes[contract:]):
@@ -186,7 +187,7 @@ def _fp8_matmul_fwd(x_LK, w_KN, recipe, w_spec):
     if recipe.gemm == "cudnn":  # the tokens flattened: [M, K] x [N, K]
 
         def forward(x_LK, w_KN):
-            y_MN = mx_gemm(x_LK.reshape(-1, x_LK.shape[-1]), w_KN.T, recipe).astype(x_LK.dtype)
+            y_MN = mx_gemm(x_LK.reshape(-1, x_LK.shape[-1]), w_KN.T, recipe, x_LK.dtype)
             return y_MN.reshape(*x_LK.shape[:-1], -1)
 
         y = per_device(forward, token_split(x_LK), x_LK, w_KN)
@@ -201,12 +202,12 @@ def _fp8_matmul_bwd(recipe, w_spec, residuals, g_LN):
     if recipe.gemm == "cudnn":
 
         def input_gradient(g_LN, w_KN):
-            dx_MK = mx_gemm(g_LN.reshape(-1, g_LN.shape[-1]), w_KN, recipe).astype(x_LK.dtype)
+            dx_MK = mx_gemm(g_LN.reshape(-1, g_LN.shape[-1]), w_KN, recipe, x_LK.dtype)
             return dx_MK.reshape(*g_LN.shape[:-1], -1)
 
         def weight_gradient(x_LK, g_LN):  # the tokens contract: 32 x 1 tiles
             x_MK, g_MN = x_LK.reshape(-1, x_LK.shape[-1]), g_LN.reshape(-1, g_LN.shape[-1])
-            return mx_gemm(x_MK.T, g_MN.T, recipe).astype(w_KN.dtype)
+            return mx_gemm(x_MK.T, g_MN.T, recipe, w_KN.dtype)
 
         tokens = token_split(x_LK)
         dx = per_device(input_gradient, tokens, g_LN, w_KN)
@@ -233,6 +234,6 @@ def linear(
         return jnp.tensordot(x, w, axes=contract)
     lead, out = x.shape[: x.ndim - contract], w.shape[contract:]
     K = math.prod(w.shape[:contract])
-    spec = None if w_axes is None else weight_spec(w_axes, contract)
+    spec = None if w_axes is None else weight_spec(w_axes, w.shape, contract)
     y = fp8_matmul(x.reshape(*lead, K), w.reshape(K, -1), recipe, spec)
     return y.reshape(*lead, *out)
