@@ -22,7 +22,7 @@ def layer(params, x, scale):
     a side input each micro-batch has its own of (like positions)."""
     h = jnp.tanh(jnp.einsum("bsd,df->bsf", x * scale[:, :, None], params["w_in"]))
     y = x + jnp.einsum("bsf,fd->bsd", h, params["w_out"])
-    return y, {"load": jnp.sum(h > 0, axis=(0, 1)).astype(jnp.float32), "sq": jnp.mean(y**2)}
+    return y, {"load": jnp.sum(h >= 0, axis=(0, 1)).astype(jnp.float32), "sq": jnp.mean(y**2) + 1}
 
 
 def reference(stack, x_MB, scale_MB):
@@ -61,8 +61,10 @@ def assert_close(got, want, tolerance=1e-5):
     np.testing.assert_allclose(got, want, rtol=0, atol=tolerance * max(np.abs(want).max(), 1.0))
 
 
-# p in {2, 4}, r in {1, 2}, m in {p, 2p}, one layer per stage; and two layers per stage once.
-CASES = [(p, r, m, 1) for p, r in itertools.product((2, 4), (1, 2)) for m in (p, 2 * p)] + [(2, 2, 4, 2)]
+# p in {2, 4}, r in {1, 2}, m in {p, 2p}, one layer per stage; two layers per stage once; and m
+# not a multiple of p (the buffer between repeats reuses its slots in another order).
+CASES = [(p, r, m, 1) for p, r in itertools.product((2, 4), (1, 2)) for m in (p, 2 * p)]
+CASES += [(2, 2, 4, 2), (2, 3, 3, 1), (4, 2, 5, 1)]
 
 
 @pytest.mark.parametrize("stages, repeats, microbatches, per_stage", CASES)

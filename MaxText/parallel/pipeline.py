@@ -11,15 +11,18 @@ stage's output returns to stage 0 for the next repeat, or is the stack's output 
     iteration t: stage s works on item k = t - s (micro-batch k % m, repeat k // m), when 0 <= k < m * repeats
 
 A stage with no item (the first ``s`` and last ``stages - 1 - s`` iterations) idles in a
-*bubble*: (stages - 1) of the m * repeats + stages - 1 iterations. Its input is replaced by zeros
-(whatever the buffers held), its output goes nowhere and its statistics are dropped, so bubbles
-change no number; ``fill`` sets what the buffers hold before real data reaches them (tests fill
-them with NaN to show it). An item leaves the last stage at least one iteration before it
+*bubble*: (stages - 1) of the m * repeats + stages - 1 iterations. It computes on one of the
+micro-batches instead of whatever its buffers held (a finite input, so its backward pass, whose
+incoming gradient is zero, stays finite for any layer that is finite on real data), its output
+goes nowhere and its statistics are dropped, so bubbles change no number; ``fill`` sets what the
+buffers hold before real data reaches them (tests fill them with NaN to show it). An item leaves the last stage at least one iteration before it
 re-enters stage 0 when ``m >= stages``; with more micro-batches it waits in stage 0's buffer.
 
 The loop is a ``scan`` over iterations (compile time does not grow with m), each iteration's
 stage computation rematerialised in the backward pass from its input (what the scan keeps per
-iteration is one micro-batch's activation). Parameters are kept stage-major: each leaf
+iteration is one micro-batch's activation). Every stage also holds the m micro-batches' input,
+the buffer of items between repeats and the output (SPMD: one program), and the output is summed
+over the stages once at the end (an all-reduce of the stack's output). Parameters are kept stage-major: each leaf
 ``[repeats, stages, per_stage, ...]`` (``to_stages``), whose row-major flattening is the layer
 order, with the ``stages`` dim split over the mesh axis, so each stage holds its own layers.
 
@@ -109,8 +112,10 @@ def circular_pipeline(
             k = t - s
             busy = (k >= 0) & (k < M * R)
             r = jnp.clip(k // M, 0, R - 1)
-            x = jnp.where(busy, state, jnp.zeros_like(state))
-            y, layer_stats = jax.checkpoint(stage)(params, r, x, side_of(jnp.mod(k, M)))
+            i = jnp.mod(k, M)
+            # A bubble computes on a real micro-batch (finite: no 0 x inf in its backward pass).
+            x = jnp.where(busy, state, jax.lax.dynamic_index_in_dim(x_MB, i, 0, keepdims=False))
+            y, layer_stats = jax.checkpoint(stage)(params, r, x, side_of(i))
             stats = jax.tree.map(
                 lambda total, new: total.at[r].add(jnp.where(busy, new, jnp.zeros_like(new))), stats, layer_stats
             )
