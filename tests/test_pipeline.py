@@ -4,6 +4,7 @@ micro-batch (written out here with a Python loop), for 2 and 4 stages, 1 and 2 r
 micro-batches, with FSDP inside the stages; bubbles filled with NaN leave no NaN anywhere."""
 
 import itertools
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -117,3 +118,65 @@ def test_fewer_micro_batches_than_stages_are_refused():
         circular_pipeline(layer, stack, jnp.zeros((3, B, S, D)))
     with pytest.raises(ValueError, match="6 layers do not split into 4 stages x 1 repeats"):
         to_stages(make_stack(6, jax.random.key(0)), 4, 1)
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "all_to_all"])
+def test_deepseek_moe_layers_through_the_pipeline_equal_them_in_order(exchange):
+    """deepseek3-tiny's MoE decoder layers (MLA, router, dropless routed and shared experts) as the
+    pipeline's layers, 2 stages x fsdp 2 x expert 2: the outputs, the MoE loads and balance losses
+    of every layer (the statistics the bias update and the loss take) equal the layers in order,
+    and so do the parameters' gradients, with the expert exchange inside the stages."""
+    import flax.linen as nn
+
+    from MaxText.models.decoder import DecoderLayer
+    from MaxText.parallel.sharding import axis_rules
+    from tests.conftest import make_config
+
+    config = make_config(
+        "model_name=deepseek3-tiny", "ici_fsdp_parallelism=2", "ici_expert_parallelism=2", f"moe_ep_comm={exchange}"
+    ).with_platform("cpu")
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 1, 2, 2, 1), ("stage", "data", "fsdp", "expert", "tensor"))
+    layers, microbatches, rows, seq = 4, 2, 4, 16
+    decoder = DecoderLayer(config, True)
+    x_MB = jax.random.normal(jax.random.key(0), (microbatches, rows, seq, config.emb_dim))
+    positions = jnp.broadcast_to(jnp.arange(seq), (microbatches, rows, seq))
+    segments = jnp.ones((microbatches, rows, seq), jnp.int32).at[1, :, -3:].set(0)  # padding in one micro-batch
+    variables = [decoder.init(jax.random.key(i + 1), x_MB[0], positions[0], segments[0]) for i in range(layers)]
+    stack = jax.tree.map(
+        lambda *a: jnp.stack(a), *[nn.unbox({k: v[k] for k in ("params", "moe_bias")}) for v in variables]
+    )
+
+    def moe_layer(params, x, side):
+        (y, _), state = decoder.apply(params, x, *side, mutable=["moe_load", "moe_loss"])
+        return y, (state["moe_load"], state["moe_loss"])
+
+    def in_order(stack):
+        outs, totals = [], None
+        for m in range(microbatches):
+            h, per_layer = x_MB[m], []
+            for i in range(layers):
+                h, stats = moe_layer(jax.tree.map(lambda a, i=i: a[i], stack), h, (positions[m], segments[m]))
+                per_layer.append(stats)
+            outs.append(h)
+            stacked = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+            totals = stacked if totals is None else jax.tree.map(jnp.add, totals, stacked)
+        return jnp.stack(outs), totals
+
+    def pipelined(stack):
+        out, stats = circular_pipeline(moe_layer, to_stages(stack, 2, 1), x_MB, (positions, segments))
+        return out, from_stages(stats)
+
+    def objective(run, stack):
+        out, (load, balance) = run(stack)
+        return jnp.sum(out**2) + sum(jnp.sum(b) for b in jax.tree.leaves(balance))
+
+    with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)):
+        (want, want_stats), (got, got_stats) = jax.jit(in_order)(stack), jax.jit(pipelined)(stack)
+        want_grads = jax.jit(jax.grad(partial(objective, in_order)))(stack)
+        grads = jax.jit(jax.grad(partial(objective, pipelined)))(stack)
+    assert_close(got, want)
+    for a, b in zip(jax.tree.leaves(got_stats), jax.tree.leaves(want_stats), strict=True):
+        assert_close(a, b)
+    assert jax.tree.leaves(want_stats[0])[0].sum() > 0  # the loads counted tokens
+    for a, b in zip(jax.tree.leaves(grads["params"]), jax.tree.leaves(want_grads["params"]), strict=True):
+        assert_close(a, b)

@@ -367,10 +367,14 @@ def exchange_token_axes(num_tokens: int, axis: str) -> tuple[str, ...]:
     """The mesh axes tokens are split over inside the exchange: the rules' ``activation_batch``
     axes, then every other axis (but ``axis``) that leaves them replicated, such as ``tensor``,
     so that no two devices send or compute the same copies (the rules' axes alone where
-    ``num_tokens`` does not divide)."""
+    ``num_tokens`` does not divide). Axes already manual (a pipeline's ``stage``, inside its
+    shard_map) are not the exchange's to split."""
     mesh = jax.sharding.get_abstract_mesh()
     rule_axes = batch_mesh_axes()
-    extra = tuple(a for a in mesh.axis_names if a not in rule_axes and a != axis and mesh.shape[a] > 1)
+    manual = set(mesh.manual_axes)
+    extra = tuple(
+        a for a in mesh.axis_names if a not in rule_axes and a != axis and a not in manual and mesh.shape[a] > 1
+    )
     split = math.prod(mesh.shape[a] for a in rule_axes + extra)
     return rule_axes + extra if num_tokens % split == 0 else rule_axes
 
