@@ -69,3 +69,19 @@ def test_a_run_trained_with_other_keys_is_not_reused(tmp_path):
     )
     keys = json.loads((tmp_path / "deepseek3-tiny-none-seed0" / "fp8_loss_check.json").read_text())
     assert keys != tool.run_keys(args, "none", 0) and "dtype=bfloat16" in keys
+
+
+def test_a_failing_run_ends_the_check_with_its_exit_code(tmp_path):
+    """Runs trained at once (``--jobs 2``), one key that no config has: each run exits 2 naming
+    it, and so does the check, with the run's log."""
+    done = subprocess.run(
+        [sys.executable, "tools/fp8_loss_check.py", "--steps", "2", "--window", "1", "--recipes", "mxfp8"]
+        + ["--control", "", "--jobs", "2", "--out", str(tmp_path), "no_such_key=1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "exited with 2" in done.stderr.strip().splitlines()[-1]
+    assert "no_such_key" in done.stderr  # the run's own line, from its log
