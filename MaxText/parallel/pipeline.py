@@ -119,7 +119,7 @@ def circular_pipeline(
             stats = jax.tree.map(
                 lambda total, new: total.at[r].add(jnp.where(busy, new, jnp.zeros_like(new))), stats, layer_stats
             )
-            arrived = jax.lax.ppermute(y, axis, [(i, (i + 1) % stages) for i in range(stages)])
+            arrived = jax.lax.ppermute(y, axis, [(j, (j + 1) % stages) for j in range(stages)])
             # At stage 0, ``arrived`` is the last stage's item t - (P - 1): keep it by micro-batch.
             last = t - (stages - 1)
             keep = (s == 0) & (last >= 0) & (last < M * R)
