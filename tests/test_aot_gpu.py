@@ -208,6 +208,48 @@ def test_cudnn_fp8_gemms_compile_on_a_sharded_mesh(mesh, collectives):
     assert found == str(sorted(collectives))
 
 
+PIPELINE_STAGE_TRANSFERS = r"""
+import re
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from MaxText.aot.targets import TARGETS, answering_device_queries, compile_devices
+from MaxText.parallel.pipeline import circular_pipeline, to_stages
+from MaxText.parallel.platform import compiling_for
+
+target = TARGETS["gb200"]
+mesh = Mesh(np.array(compile_devices(target, 8)).reshape(2, 4), ("stage", "fsdp"))
+weights = NamedSharding(mesh, P(None, "fsdp"))
+stack = {
+    "w1": jax.ShapeDtypeStruct((8, 256, 1024), jnp.bfloat16, sharding=weights),
+    "w2": jax.ShapeDtypeStruct((8, 1024, 256), jnp.bfloat16, sharding=weights),
+}
+x = jax.ShapeDtypeStruct((4, 8, 128, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "fsdp")))
+layer = lambda p, x, side: (x + jnp.tanh(x @ p["w1"]) @ p["w2"], jnp.sum(x))
+
+def loss(stack, x):
+    out, stats = circular_pipeline(layer, to_stages(stack, 2, 2), x)
+    return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(stats)
+
+with compiling_for("gpu"), answering_device_queries(target), jax.set_mesh(mesh):
+    hlo = jax.jit(jax.grad(loss)).lower(stack, x).compile().as_text()
+print(len(re.findall(r"collective-permute-start\(", hlo)), len(re.findall(r" collective-permute\(", hlo)))
+"""
+
+
+def test_pipeline_stage_transfers_are_asynchronous_on_gb200():
+    """The circular pipeline's gradient compiled for 8 GB200 (stage 2 x fsdp 4): the activations
+    cross stages in asynchronous collective-permutes (start/done pairs, one each way), none
+    synchronous (docs/pipeline.md: what runs between start and done)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [GPU_PYTHON, "-c", PIPELINE_STAGE_TRANSFERS], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "2 0"
+
+
 def test_xla_gpu_lowers_ragged_dot_densely_over_the_local_experts():
     """Why ``auto`` takes ``blocked`` on GPU without Transformer Engine: XLA:GPU runs ragged_dot as
     one dense matmul over a GPU's local experts and the whole layout (``moe_ep_buffer_factor`` x
