@@ -55,6 +55,17 @@ def aot(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
+def compiled_script(script: str, *argv: str) -> list[str]:
+    """The output lines of ``script`` (it compiles for a GPU target without the GPU) run by the
+    interpreter that has the CUDA plugin, on the host platform only."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [GPU_PYTHON, "-c", script, *argv], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()
+
+
 def _json(out: subprocess.CompletedProcess) -> dict:
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -197,12 +208,7 @@ def test_cudnn_fp8_gemms_compile_on_a_sharded_mesh(mesh, collectives):
     GB200 recipe 32 GB per GPU); the weight's FSDP gather is bfloat16's, and its gradient is
     reduce-scattered onto the weight's shards before the sum over ``data`` (left to XLA, the whole
     gradient was all-reduced over all 8, as the 671B recipe's dense layers were over 256 GPUs)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
-    out = subprocess.run(
-        [GPU_PYTHON, "-c", CUDNN_FP8_GEMM, mesh], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    dots, results, found = out.stdout.strip().splitlines()[-3:]
+    dots, results, found = compiled_script(CUDNN_FP8_GEMM, mesh)[-3:]
     assert int(dots) == 3
     assert results == str(["bf16"] * 3)  # in the model's dtype from the GEMM: no float32 copy of each output
     assert found == str(sorted(collectives))
@@ -242,12 +248,7 @@ def test_pipeline_stage_transfers_are_asynchronous_on_gb200():
     """The circular pipeline's gradient compiled for 8 GB200 (stage 2 x fsdp 4): the activations
     cross stages in asynchronous collective-permutes (start/done pairs, one each way), none
     synchronous (docs/pipeline.md: what runs between start and done)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
-    out = subprocess.run(
-        [GPU_PYTHON, "-c", PIPELINE_STAGE_TRANSFERS], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "2 0"
+    assert compiled_script(PIPELINE_STAGE_TRANSFERS)[-1] == "2 0"
 
 
 def test_xla_gpu_lowers_ragged_dot_densely_over_the_local_experts():

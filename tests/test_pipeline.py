@@ -26,16 +26,16 @@ def layer(params, x, scale):
     return y, {"load": jnp.sum(h >= 0, axis=(0, 1)).astype(jnp.float32), "sq": jnp.mean(y**2) + 1}
 
 
-def reference(stack, x_MB, scale_MB):
+def reference(layer_fn, stack, x_MB, side_MB):
     """Layer after layer on each micro-batch; each layer's statistics summed over micro-batches."""
-    L = stack["w_in"].shape[0]
-    totals = None
-    outs = []
-    for x, scale in zip(x_MB, scale_MB, strict=True):
+    layers = jax.tree.leaves(stack)[0].shape[0]
+    side = [jax.tree.map(lambda a, m=m: a[m], side_MB) for m in range(x_MB.shape[0])]
+    outs, totals = [], None
+    for x, side_m in zip(x_MB, side, strict=True):
         per_layer = []
-        for i in range(L):
-            x, st = layer(jax.tree.map(lambda w, i=i: w[i], stack), x, scale)
-            per_layer.append(st)
+        for i in range(layers):
+            x, stats = layer_fn(jax.tree.map(lambda w, i=i: w[i], stack), x, side_m)
+            per_layer.append(stats)
         outs.append(x)
         stacked = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
         totals = stacked if totals is None else jax.tree.map(jnp.add, totals, stacked)
@@ -77,10 +77,10 @@ def test_pipelined_layers_equal_the_layers_in_order(stages, repeats, microbatche
     x_MB = jax.random.normal(kx, (microbatches, B, S, D))
     scale_MB = 1 + jnp.arange(microbatches * B * S, dtype=jnp.float32).reshape(microbatches, B, S) / 100
 
-    want_out, want_stats = reference(stack, x_MB, scale_MB)
+    want_out, want_stats = reference(layer, stack, x_MB, scale_MB)
 
     def want_loss(stack, x_MB):
-        return objective(*reference(stack, x_MB, scale_MB))
+        return objective(*reference(layer, stack, x_MB, scale_MB))
 
     want_grads = jax.grad(want_loss, argnums=(0, 1))(stack, x_MB)
 
@@ -151,16 +151,7 @@ def test_deepseek_moe_layers_through_the_pipeline_equal_them_in_order(exchange):
         return y, (state["moe_load"], state["moe_loss"])
 
     def in_order(stack):
-        outs, totals = [], None
-        for m in range(microbatches):
-            h, per_layer = x_MB[m], []
-            for i in range(layers):
-                h, stats = moe_layer(jax.tree.map(lambda a, i=i: a[i], stack), h, (positions[m], segments[m]))
-                per_layer.append(stats)
-            outs.append(h)
-            stacked = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
-            totals = stacked if totals is None else jax.tree.map(jnp.add, totals, stacked)
-        return jnp.stack(outs), totals
+        return reference(moe_layer, stack, x_MB, (positions, segments))
 
     def pipelined(stack):
         out, stats = circular_pipeline(moe_layer, to_stages(stack, 2, 1), x_MB, (positions, segments))

@@ -98,6 +98,10 @@ def read_metrics(path: Path) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r and "step" in r]
 
 
+def run_name(args: argparse.Namespace, name: str, seed: int) -> str:
+    return f"{args.model}-{name}-seed{seed}"
+
+
 def run_keys(args: argparse.Namespace, name: str, seed: int) -> list[str]:
     """What makes a run what it is (the config keys but its output folder): a reused run must
     have been trained with these."""
@@ -108,7 +112,7 @@ def run_keys(args: argparse.Namespace, name: str, seed: int) -> list[str]:
         "enable_checkpointing=false",
         f"seed={seed}",
         f"quantization={BASELINE if name == CONTROL else name}",
-        f"run_name={args.model}-{name}-seed{seed}",
+        f"run_name={run_name(args, name, seed)}",
         *args.overrides,
         *([args.control] if name == CONTROL else []),
     ]
@@ -116,7 +120,7 @@ def run_keys(args: argparse.Namespace, name: str, seed: int) -> list[str]:
 
 def train(args: argparse.Namespace, name: str, seed: int) -> list[dict]:
     """One run (``name``: a recipe, the baseline or the control); its metrics records."""
-    run = f"{args.model}-{name}-seed{seed}"
+    run = run_name(args, name, seed)
     metrics = args.out / run / "metrics.jsonl"
     keys = run_keys(args, name, seed)
     trained_with = args.out / run / "fp8_loss_check.json"  # the keys it was trained with

@@ -66,7 +66,7 @@ from jax.sharding import PartitionSpec as P
 
 from MaxText.config import Config
 from MaxText.moe.dispatch import gather_rows, in_rounds, sum_copies
-from MaxText.parallel.sharding import batch_mesh_axes, stored_spec
+from MaxText.parallel.sharding import batch_mesh_axes, spec_axes, stored_spec
 from MaxText.quantization import recipe_of
 from MaxText.quantization.dispatch import fp8_moved
 
@@ -428,8 +428,7 @@ def gather_weight(w: jax.Array, spec: P, axis: str) -> jax.Array:
     float32 gradients the embed-major layout a gather or scatter along it needs, and transposed
     them back and forth outside the layers' loop (two more copies of every routed expert, 41 GB
     on the GB200 recipe's XLA:GPU compile)."""
-    for dim, axes in enumerate(spec):
-        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    for dim, axes in enumerate(map(spec_axes, spec)):
         others = tuple(a for a in axes if a != axis)
         if others:
             w = jax.lax.all_gather(w, others, axis=dim, tiled=True)

@@ -123,14 +123,14 @@ def circular_pipeline(
             # At stage 0, ``arrived`` is the last stage's item t - (P - 1): keep it by micro-batch.
             last = t - (stages - 1)
             keep = (s == 0) & (last >= 0) & (last < M * R)
-            slot = jnp.mod(last, M)
-            kept = jnp.where(keep, arrived, jax.lax.dynamic_index_in_dim(waiting, slot, 0, keepdims=False))
-            waiting = jax.lax.dynamic_update_index_in_dim(waiting, kept, slot, 0)
+            back_slot = jnp.mod(last, M)
+            kept = jnp.where(keep, arrived, jax.lax.dynamic_index_in_dim(waiting, back_slot, 0, keepdims=False))
+            waiting = jax.lax.dynamic_update_index_in_dim(waiting, kept, back_slot, 0)
             # Stage 0's next item is t + 1: a new micro-batch in the first repeat, else one back.
             following = t + 1
-            slot = jnp.mod(following, M)
-            new = jax.lax.dynamic_index_in_dim(x_MB, slot, 0, keepdims=False)
-            back = jax.lax.dynamic_index_in_dim(waiting, slot, 0, keepdims=False)
+            next_slot = jnp.mod(following, M)
+            new = jax.lax.dynamic_index_in_dim(x_MB, next_slot, 0, keepdims=False)
+            back = jax.lax.dynamic_index_in_dim(waiting, next_slot, 0, keepdims=False)
             state = jnp.where(s == 0, jnp.where(following < M, new, back), arrived)
             return (state, waiting, stats), None
 
@@ -139,12 +139,11 @@ def circular_pipeline(
         out = jax.lax.psum(jnp.where(s == 0, waiting, jnp.zeros_like(waiting)), axis)
         return out, jax.tree.map(lambda a: a[:, None], stats)
 
-    staged_spec = jax.tree.map(lambda _: P(None, axis), staged)
-    stats_spec = P(None, axis)
+    by_stage = P(None, axis)  # every leaf [R, P, ...]: parameters in, statistics out
     return jax.shard_map(
         local,
-        in_specs=(staged_spec, P(), P()),
-        out_specs=(P(), stats_spec),
+        in_specs=(by_stage, P(), P()),
+        out_specs=(P(), by_stage),
         axis_names={axis},
         check_vma=False,
     )(staged, x_MB, side_MB)

@@ -28,12 +28,16 @@ def axis_rules(config: Config) -> Rules:
     return tuple((name, mesh_axes(axes)) for name, axes in config.logical_axis_rules)
 
 
+def spec_axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec (or rule) entry: None, a name or names, as a tuple."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
 def batch_mesh_axes() -> tuple[str, ...]:
     """The mesh axes the rules map ``activation_batch`` (the tokens' split) onto, () outside a mesh."""
     if jax.sharding.get_abstract_mesh().empty:
         return ()
-    axes = nn.logical_to_mesh_axes(("activation_batch",))[0]
-    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return spec_axes(nn.logical_to_mesh_axes(("activation_batch",))[0])
 
 
 def vocabulary_group(
@@ -94,7 +98,7 @@ def parameter_mesh_axes(
         if name not in names:
             continue
         i = names.index(name)
-        mesh_axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        mesh_axes = spec_axes(axes)
         if assigned[i] or used & set(mesh_axes):
             continue
         ways = math.prod(axis_sizes[a] for a in mesh_axes)

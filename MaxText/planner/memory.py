@@ -66,7 +66,7 @@ def sharded_state_bytes(spec: ModelSpec, layout: Layout) -> float:
     import jax.numpy as jnp
 
     from MaxText.config import ConfigError
-    from MaxText.parallel.sharding import parameter_mesh_axes, parameter_rules
+    from MaxText.parallel.sharding import parameter_mesh_axes, parameter_rules, spec_axes
 
     axis_sizes = {a: layout.size(a) for a in MESH_AXES}
     if spec.config is None:  # no repository model: split everything over every axis but data
@@ -84,7 +84,7 @@ def sharded_state_bytes(spec: ModelSpec, layout: Layout) -> float:
             except ValueError as err:
                 raise ConfigError(f"config key 'logical_axis_rules': a parameter {shape} {err}") from None
             for axes in assigned:
-                for axis in (axes,) if isinstance(axes, str) else axes or ():
+                for axis in spec_axes(axes):
                     ways *= axis_sizes[axis]
         per_element = (2 * itemsize + 2 * moment_bytes) if trainable else itemsize  # weight, gradient, mu, nu
         total += math.prod(shape) / ways * per_element

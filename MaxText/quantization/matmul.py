@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from MaxText.parallel.sharding import batch_mesh_axes, stored_spec
+from MaxText.parallel.sharding import batch_mesh_axes, spec_axes, stored_spec
 from MaxText.quantization.quantize import Recipe, fake_quantize, quantize
 
 
@@ -114,11 +114,6 @@ def token_split(x_LK: jax.Array) -> tuple[str, ...]:
     return tuple(axes)
 
 
-def _names(axes: str | tuple[str, ...] | None) -> tuple[str, ...]:
-    """A PartitionSpec entry's mesh axes as a tuple."""
-    return (axes,) if isinstance(axes, str) else tuple(axes or ())
-
-
 def weight_spec(logical_axes: Sequence[str | None], shape: Sequence[int], contract: int) -> P | None:
     """How a weight of ``shape`` declared with ``logical_axes`` is stored across the mesh
     (``stored_spec``), once flattened to the 2-D [K, N] of its GEMM (its first ``contract`` dims
@@ -128,7 +123,7 @@ def weight_spec(logical_axes: Sequence[str | None], shape: Sequence[int], contra
     if mesh.empty:
         return None
     spec = stored_spec(tuple(shape), logical_axes)
-    axes = [tuple(a for a in _names(d) if mesh.shape[a] > 1) for d in spec]
+    axes = [tuple(a for a in spec_axes(d) if mesh.shape[a] > 1) for d in spec]
     flat = []
     for group in (axes[:contract], axes[contract:]):
         if any(group[1:]):
@@ -143,7 +138,7 @@ def summed_onto(partial_KN: jax.Array, tokens: tuple[str, ...], spec: P) -> jax.
     the other token axes, in its own dtype; the FSDP gather's transpose, as XLA makes it for
     the unquantized GEMM."""
     scattered = ()
-    for dim, axes in enumerate(map(_names, spec)):
+    for dim, axes in enumerate(map(spec_axes, spec)):
         if axes:
             partial_KN = jax.lax.psum_scatter(partial_KN, axes, scatter_dimension=dim, tiled=True)
             scattered += axes
@@ -166,7 +161,7 @@ def per_device(
     if not tokens:
         return gemm(*operands)
     split, whole = P(tokens), P()
-    if tokens_contracted and out_spec is not None and all(set(a) <= set(tokens) for a in map(_names, out_spec)):
+    if tokens_contracted and out_spec is not None and all(set(a) <= set(tokens) for a in map(spec_axes, out_spec)):
         return jax.shard_map(
             lambda *ops: summed_onto(gemm(*ops), tokens, out_spec),
             in_specs=(split,) * len(operands),
