@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError
 
-from MaxText.parallel.axes import MESH_AXES
+from MaxText.parallel.axes import MESH_AXES, parallelism_key
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 BASE_YML = CONFIG_DIR / "base.yml"
@@ -192,14 +192,18 @@ class Config(BaseModel):
     synthetic_vocab_size: Count
     synthetic_noise: Probability
     # parallelism
+    ici_pipeline_parallelism: Count
     ici_data_parallelism: CountOrMinusOne
     ici_fsdp_parallelism: CountOrMinusOne
     ici_expert_parallelism: CountOrMinusOne
     ici_tensor_parallelism: CountOrMinusOne
+    dcn_pipeline_parallelism: Count
     dcn_data_parallelism: CountOrMinusOne
     dcn_fsdp_parallelism: CountOrMinusOne
     dcn_expert_parallelism: CountOrMinusOne
     dcn_tensor_parallelism: CountOrMinusOne
+    num_pipeline_microbatches: CountOrMinusOne
+    num_pipeline_repeats: Count
     logical_axis_rules: list[Annotated[tuple[str, list[str]], Strict(False)]]
 
     # ---- derived values: computed here and nowhere else ----
@@ -210,6 +214,16 @@ class Config(BaseModel):
     @property
     def num_moe_layers(self) -> int:
         return self.base_num_decoder_layers - self.first_num_dense_layers
+
+    @property
+    def pipeline_stages(self) -> int:
+        """Ways the ``stage`` mesh axis splits the MoE layer stack (1: no pipeline)."""
+        return self.ici_pipeline_parallelism * self.dcn_pipeline_parallelism
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Micro-batches each pipelined batch is cut into (``num_pipeline_microbatches``; -1: one per stage)."""
+        return self.pipeline_stages if self.num_pipeline_microbatches == -1 else self.num_pipeline_microbatches
 
     @property
     def qk_head_dim(self) -> int:
@@ -229,10 +243,10 @@ class Config(BaseModel):
         return Path(self.base_output_directory) / self.run_name
 
     def ici_parallelism(self) -> list[int]:
-        return [getattr(self, f"ici_{axis}_parallelism") for axis in MESH_AXES]
+        return [getattr(self, parallelism_key("ici", axis)) for axis in MESH_AXES]
 
     def dcn_parallelism(self) -> list[int]:
-        return [getattr(self, f"dcn_{axis}_parallelism") for axis in MESH_AXES]
+        return [getattr(self, parallelism_key("dcn", axis)) for axis in MESH_AXES]
 
     def micro_batch_size(self, num_devices: int) -> int:
         """Sequences in one micro-batch over all devices."""
@@ -356,6 +370,7 @@ def check_rules(c: Config) -> None:
             "capacity_factor",
             f"the token-dropping baseline has no FP8 path (quantization={c.quantization}); use -1 (dropless)",
         )
+    check_pipeline(c)
     unknown = [a for a in c.vocab_parallel_axes if a not in MESH_AXES] if c.vocab_parallel_axes != "auto" else []
     _require(not unknown, "vocab_parallel_axes", f"unknown mesh axes {unknown}; known: {list(MESH_AXES)}")
     for name, axes in c.logical_axis_rules:
@@ -365,6 +380,29 @@ def check_rules(c: Config) -> None:
             "logical_axis_rules",
             f"rule '{name}' names unknown mesh axes {unknown}; known: {list(MESH_AXES)}",
         )
+
+
+def check_pipeline(c: Config) -> None:
+    """The pipeline's split of the MoE layer stack (``parallel/pipeline.py``): every stage runs
+    ``num_moe_layers / (stages x repeats)`` consecutive layers per repeat, so stages x repeats must
+    divide the MoE layers; the dense layers, the embedding, the head and the MTP modules run
+    outside the pipeline, on every stage's share of the batch."""
+    stages, repeats = c.pipeline_stages, c.num_pipeline_repeats
+    if stages == 1:
+        return
+    layers = c.num_moe_layers
+    divisors = [d for d in range(1, layers + 1) if layers % d == 0]
+    _require(
+        layers > 0 and layers % (stages * repeats) == 0,
+        "ici_pipeline_parallelism",
+        f"{layers} MoE layers do not split into {stages} stages x {repeats} repeats "
+        f"(stages x num_pipeline_repeats must divide {layers}: one of {divisors})",
+    )
+    _require(
+        c.pipeline_microbatches >= stages,
+        "num_pipeline_microbatches",
+        f"{c.pipeline_microbatches} micro-batches cannot fill {stages} stages: the pipeline needs at least one per stage",
+    )
 
 
 # ---------------------------------------------------------------- loading

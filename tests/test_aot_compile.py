@@ -172,5 +172,5 @@ def test_a_multi_rack_mesh_stores_the_vocabulary_split_as_it_is_read(capfd):
         "vocab_parallel_axes=[expert,tensor]",  # what auto resolves to on GPU for this mesh
     )
     report, _ = compile_train_step(config, jax.devices()[:8])
-    assert report.mesh == {"data": 2, "fsdp": 2, "expert": 2, "tensor": 1}
+    assert report.mesh == {"stage": 1, "data": 2, "fsdp": 2, "expert": 2, "tensor": 1}
     assert "Involuntary full rematerialization" not in capfd.readouterr().err

@@ -140,6 +140,18 @@ BAD_INPUTS = {
     "block rows": (["moe_block_rows=0"], ["moe_block_rows"]),
     "block levels": (["moe_block_rows=48", "moe_min_block_rows=8"], ["moe_block_rows", "power of two"]),
     "min block rows": (["moe_min_block_rows=0"], ["moe_min_block_rows"]),
+    "MoE layers not splitting into the stages": (
+        ["base_num_decoder_layers=61", "first_num_dense_layers=3", "ici_pipeline_parallelism=4"],
+        ["ici_pipeline_parallelism", "58 MoE layers", "4 stages", "1, 2, 29, 58"],
+    ),
+    "MoE layers not splitting into the repeats": (
+        ["base_num_decoder_layers=5", "dcn_pipeline_parallelism=2", "num_pipeline_repeats=3"],
+        ["ici_pipeline_parallelism", "2 stages x 3 repeats"],
+    ),
+    "fewer micro-batches than stages": (
+        ["base_num_decoder_layers=5", "ici_pipeline_parallelism=4", "num_pipeline_microbatches=2"],
+        ["num_pipeline_microbatches", "2 micro-batches cannot fill 4 stages"],
+    ),
 }
 
 

@@ -201,8 +201,8 @@ def test_exchange_buffer_bytes_by_hand():
 def test_tokens_are_split_over_tensor_inside_the_exchange():
     config = make_config(*TENSOR_MESH)
     with jax.set_mesh(make_mesh(config, jax.devices())), nn.logical_axis_rules(axis_rules(config)):
-        assert exchange_token_axes(64, "expert") == ("data", "fsdp", "expert", "tensor")
-        assert exchange_token_axes(12, "expert") == ("data", "fsdp", "expert")  # 12 tokens do not split 8 ways
+        assert exchange_token_axes(64, "expert") == ("data", "fsdp", "expert", "stage", "tensor")
+        assert exchange_token_axes(12, "expert") == ("data", "fsdp", "expert", "stage")  # 12 tokens do not split 8 ways
     # Transformer Engine keeps the rules' split: a rank holds tensor x the tokens per device.
     assert rank_tokens(64, {"data": 1, "fsdp": 2, "expert": 2, "tensor": 2}, ("data", "fsdp", "expert")) == 16
 

@@ -1,7 +1,9 @@
 """The circular pipeline (``parallel/pipeline.py``) on 8 simulated CPU devices, float32: outputs,
 per-layer statistics and every gradient equal the layers applied one after another to each
 micro-batch (written out here with a Python loop), for 2 and 4 stages, 1 and 2 repeats, p and 2p
-micro-batches, with FSDP inside the stages; bubbles filled with NaN leave no NaN anywhere."""
+micro-batches, with FSDP inside the stages; bubbles filled with NaN leave no NaN anywhere. Then the
+whole DeepSeek model with its MoE stack pipelined (``ici_pipeline_parallelism``): the loss, the
+MoE statistics and every gradient equal the unpipelined model's."""
 
 import itertools
 from functools import partial
@@ -120,12 +122,12 @@ def test_fewer_micro_batches_than_stages_are_refused():
         to_stages(make_stack(6, jax.random.key(0)), 4, 1)
 
 
-@pytest.mark.parametrize("exchange", ["allgather", "all_to_all"])
-def test_deepseek_moe_layers_through_the_pipeline_equal_them_in_order(exchange):
+def test_deepseek_moe_layers_through_the_pipeline_equal_them_in_order():
     """deepseek3-tiny's MoE decoder layers (MLA, router, dropless routed and shared experts) as the
-    pipeline's layers, 2 stages x fsdp 2 x expert 2: the outputs, the MoE loads and balance losses
-    of every layer (the statistics the bias update and the loss take) equal the layers in order,
-    and so do the parameters' gradients, with the expert exchange inside the stages."""
+    pipeline's layers, 2 stages x fsdp 2 x expert 2, its buffers filled with NaN: the outputs, the
+    MoE loads and balance losses of every layer (the statistics the bias update and the loss take)
+    equal the layers in order, and so do the parameters' gradients, with the expert exchange inside
+    the stages (the model tests below take both exchange backends)."""
     import flax.linen as nn
 
     from MaxText.models.decoder import DecoderLayer
@@ -133,7 +135,7 @@ def test_deepseek_moe_layers_through_the_pipeline_equal_them_in_order(exchange):
     from tests.conftest import make_config
 
     config = make_config(
-        "model_name=deepseek3-tiny", "ici_fsdp_parallelism=2", "ici_expert_parallelism=2", f"moe_ep_comm={exchange}"
+        "model_name=deepseek3-tiny", "ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "moe_ep_comm=all_to_all"
     ).with_platform("cpu")
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 1, 2, 2, 1), ("stage", "data", "fsdp", "expert", "tensor"))
     layers, microbatches, rows, seq = 4, 2, 4, 16
@@ -153,8 +155,8 @@ def test_deepseek_moe_layers_through_the_pipeline_equal_them_in_order(exchange):
     def in_order(stack):
         return reference(moe_layer, stack, x_MB, (positions, segments))
 
-    def pipelined(stack):
-        out, stats = circular_pipeline(moe_layer, to_stages(stack, 2, 1), x_MB, (positions, segments))
+    def pipelined(stack):  # the buffers filled with NaN before real data reaches them
+        out, stats = circular_pipeline(moe_layer, to_stages(stack, 2, 1), x_MB, (positions, segments), fill=np.nan)
         return out, from_stages(stats)
 
     def objective(run, stack):
@@ -170,4 +172,99 @@ def test_deepseek_moe_layers_through_the_pipeline_equal_them_in_order(exchange):
         assert_close(a, b)
     assert jax.tree.leaves(want_stats[0])[0].sum() > 0  # the loads counted tokens
     for a, b in zip(jax.tree.leaves(grads["params"]), jax.tree.leaves(want_grads["params"]), strict=True):
+        assert_close(a, b)
+
+
+# The DeepSeek model with 8 MoE layers (p x r divides 8), each pipelined layout once: p in {2, 4},
+# r in {1, 2}, m in {p, 2p}, both exchange backends; fsdp inside the stages where devices are left.
+MODEL_CASES = [
+    (
+        "ici_pipeline_parallelism=2",
+        "num_pipeline_repeats=1",
+        "num_pipeline_microbatches=2",
+        "ici_fsdp_parallelism=2",
+        "moe_ep_comm=allgather",
+    ),
+    (
+        "ici_pipeline_parallelism=2",
+        "num_pipeline_repeats=2",
+        "num_pipeline_microbatches=4",
+        "ici_fsdp_parallelism=2",
+        "moe_ep_comm=all_to_all",
+    ),
+    (
+        "ici_pipeline_parallelism=4",
+        "num_pipeline_repeats=1",
+        "num_pipeline_microbatches=8",
+        "ici_fsdp_parallelism=1",
+        "moe_ep_comm=all_to_all",
+    ),
+    (
+        "ici_pipeline_parallelism=4",
+        "num_pipeline_repeats=2",
+        "num_pipeline_microbatches=4",
+        "ici_fsdp_parallelism=1",
+        "moe_ep_comm=allgather",
+    ),
+]
+MODEL = ("dtype=float32", "base_num_decoder_layers=9", "per_device_batch_size=2", "ici_expert_parallelism=2")
+
+
+def model_loss_and_grads(*overrides: str):
+    """deepseek3-tiny (1 dense + 8 MoE layers, MTP) on one batch of 16 sequences with padding and
+    a random correction bias: the loss parts and the gradient of every parameter, on the mesh of
+    ``overrides``."""
+    import flax.linen as nn
+
+    from MaxText.models.deepseek import DeepSeekV3
+    from MaxText.parallel.mesh import make_mesh
+    from MaxText.parallel.sharding import axis_rules
+    from MaxText.train.loss import compute_loss
+    from tests.conftest import make_config
+
+    config = make_config(*MODEL, *overrides)
+    rows, seq = 16, config.max_target_length
+    rng = np.random.default_rng(0)
+    batch = {
+        "inputs": rng.integers(0, config.vocab_size, (rows, seq)),
+        "targets": rng.integers(0, config.vocab_size, (rows, seq)),
+        "inputs_position": np.tile(np.arange(seq), (rows, 1)),
+        "inputs_segmentation": np.ones((rows, seq), np.int32),
+    }
+    batch["inputs_segmentation"][3, -5:] = 0  # padding: out of the loads and the balance loss
+    batch["targets_segmentation"] = batch["inputs_segmentation"]
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    model = DeepSeekV3(config)
+    variables = nn.unbox(
+        model.init(jax.random.key(0), batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+    )
+    bias = jax.tree.map(lambda b: 0.01 * jax.random.normal(jax.random.key(3), b.shape), variables["moe_bias"])
+
+    def loss(params):
+        parts = compute_loss(model, config, params, bias, batch)
+        return parts.loss, parts
+
+    with jax.set_mesh(make_mesh(config)), nn.logical_axis_rules(axis_rules(config)):
+        (_, parts), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(variables["params"])
+    return parts, grads
+
+
+@pytest.fixture(scope="module")
+def unpipelined():
+    return model_loss_and_grads("ici_fsdp_parallelism=4")
+
+
+@pytest.mark.parametrize("overrides", MODEL_CASES, ids=lambda o: "-".join(v.split("=")[1] for v in o))
+def test_pipelined_model_equals_the_unpipelined_model(unpipelined, overrides):
+    """Loss, MTP and balance terms, every MoE layer's loads (what the bias update takes) and the
+    gradient of every parameter: the pipelined model's equal the unpipelined model's."""
+    want, want_grads = unpipelined
+    got, grads = model_loss_and_grads(*overrides)
+    for name in ("loss", "lm_loss", "mtp_loss", "aux_loss"):
+        assert_close(getattr(got, name), getattr(want, name))
+    assert float(want.aux_loss) > 0
+    assert jax.tree.structure(got.expert_load) == jax.tree.structure(want.expert_load)
+    for a, b in zip(jax.tree.leaves(got.expert_load), jax.tree.leaves(want.expert_load), strict=True):
+        np.testing.assert_array_equal(a, b)  # token counts: exact
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
         assert_close(a, b)

@@ -21,7 +21,7 @@ import yaml
 from MaxText.config import Config, ConfigError, load_config
 from MaxText.models.deepseek import DeepSeekV3
 from MaxText.moe.block import BIAS
-from MaxText.parallel.axes import MESH_AXES
+from MaxText.parallel.axes import MESH_AXES, parallelism_key
 from MaxText.parallel.mesh import mesh_shape
 from MaxText.parallel.sharding import check_splits
 from MaxText.train.state import dummy_inputs
@@ -235,7 +235,7 @@ RECIPES = [*GPU_SBATCH, *K8S]
 # Keys that place the run, build the mesh or map logical axes onto it; the boxed parameter tree (shapes
 # and logical axis names) does not depend on them.
 _NOT_MODEL_KEYS = {"run_name", "base_output_directory", "logical_axis_rules"} | {
-    f"{part}_{axis}_parallelism" for part in ("ici", "dcn") for axis in MESH_AXES
+    parallelism_key(part, axis) for part in ("ici", "dcn") for axis in MESH_AXES
 }
 _ABSTRACT_VARIABLES: dict[str, dict] = {}
 

@@ -14,16 +14,28 @@ from tests.conftest import make_config
 
 def test_fill_and_dcn_outermost():
     config = make_config("dcn_data_parallelism=2", "ici_fsdp_parallelism=-1")
-    assert mesh_shape(config, 8) == ([2, 1, 1, 1], [1, 4, 1, 1])
+    assert mesh_shape(config, 8) == ([1, 2, 1, 1, 1], [1, 1, 4, 1, 1])
     mesh = make_mesh(config, jax.devices())
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
+    assert dict(mesh.shape) == {"stage": 1, "data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
     # The dcn factor is outermost: the first fast domain holds devices 0-3.
-    assert sorted(d.id for d in mesh.devices[0].reshape(-1)) == [0, 1, 2, 3]
+    assert sorted(d.id for d in mesh.devices[0, 0].reshape(-1)) == [0, 1, 2, 3]
 
 
 def test_dcn_fill_uses_the_remaining_devices():
     config = make_config("ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "dcn_data_parallelism=-1")
-    assert mesh_shape(config, 8) == ([2, 1, 1, 1], [1, 2, 2, 1])
+    assert mesh_shape(config, 8) == ([1, 2, 1, 1, 1], [1, 1, 2, 2, 1])
+
+
+def test_pipeline_stages_are_the_outermost_split():
+    """Stages across fast domains: the first stage holds the first domain's devices, and the MoE
+    stack's layers are split over the stages, each holding its consecutive layers."""
+    config = make_config("dcn_pipeline_parallelism=2", "ici_expert_parallelism=2", "ici_fsdp_parallelism=-1")
+    assert mesh_shape(config, 8) == ([2, 1, 1, 1, 1], [1, 1, 2, 2, 1])
+    mesh = make_mesh(config, jax.devices())
+    assert sorted(d.id for d in mesh.devices[0].reshape(-1)) == [0, 1, 2, 3]
+    moe = _shardings(config)["moe_layers"]["layers"]
+    assert moe["moe"]["wi_0"].spec[0] == "stage" and moe["attention"]["wq_a"].spec[0] == "stage"
+    assert _shardings(config)["dense_layers"]["layers"]["mlp"]["wi_0"].spec[0] is None  # outside the pipeline
 
 
 @pytest.mark.parametrize(
@@ -31,6 +43,12 @@ def test_dcn_fill_uses_the_remaining_devices():
     [
         (("ici_fsdp_parallelism=3",), 8, "ici_"),
         (("ici_fsdp_parallelism=1", "ici_expert_parallelism=-1"), 32, "ici_expert_parallelism"),
+        # 8 sequences in 4 micro-batches of 2 rows, over the 4 devices of a stage: refused.
+        (
+            ("ici_pipeline_parallelism=2", "num_pipeline_microbatches=4", "per_device_batch_size=1"),
+            8,
+            "num_pipeline_microbatches",
+        ),
     ],
 )
 def test_mesh_errors_name_the_key(overrides, devices, key):
@@ -47,16 +65,20 @@ def _shardings(config):
 def test_parameters_land_on_their_mesh_axes():
     shardings = _shardings(make_config("ici_fsdp_parallelism=2", "ici_expert_parallelism=4"))
     moe = shardings["moe_layers"]["layers"]["moe"]
-    assert moe["wi_0"].spec == P(None, ("expert", "fsdp"), None, "tensor")  # [layers, exp, embed, mlp]
-    assert moe["wo"].spec == P(None, ("expert", "fsdp"), "tensor", None)  # [layers, exp, mlp, embed]
+    assert moe["wi_0"].spec == P(
+        "stage", ("expert", "fsdp"), None, "tensor"
+    )  # [layers (over the stages), exp, embed, mlp]
+    assert moe["wo"].spec == P("stage", ("expert", "fsdp"), "tensor", None)  # [layers, exp, mlp, embed]
     assert shardings["token_embedding"].spec == P("tensor", ("fsdp", "expert"))  # [vocab, embed]
     # The MLA up-projections split their latent dim over fsdp x expert (32 / 8 divides) ...
     attention = shardings["moe_layers"]["layers"]["attention"]
-    assert attention["wkv_b"].spec == P(None, ("fsdp", "expert"), "tensor", None)  # [layers, kv_lora, heads, head_dim]
-    assert attention["wq_b"].spec == P(None, ("fsdp", "expert"), "tensor", None)
+    assert attention["wkv_b"].spec == P(
+        "stage", ("fsdp", "expert"), "tensor", None
+    )  # [layers, kv_lora, heads, head_dim]
+    assert attention["wq_b"].spec == P("stage", ("fsdp", "expert"), "tensor", None)
     # ... and over fsdp alone where fsdp x expert does not divide (kv_lora 36 / 8, 36 / 2 does).
     fallback = _shardings(make_config("ici_fsdp_parallelism=2", "ici_expert_parallelism=4", "kv_lora_rank=36"))
-    assert fallback["moe_layers"]["layers"]["attention"]["wkv_b"].spec == P(None, "fsdp", "tensor", None)
+    assert fallback["moe_layers"]["layers"]["attention"]["wkv_b"].spec == P("stage", "fsdp", "tensor", None)
     # Split over the vocabulary, the embedding and the head are stored by rows over the group, as
     # the split reads them (their embed dim over the FSDP axes left).
     split = _shardings(

@@ -97,8 +97,8 @@ def test_output_contract(reference):
 def test_sharded_run_matches_single_device_and_resumes_on_another_mesh(reference, tmp_path, jax_cache):
     """fsdp=2 x expert=4 over 8 simulated devices, same global batch, with the embedding and the
     head split over the vocabulary; then the same run continues from its last checkpoint on 4
-    devices with fsdp=4 (the checkpoint is resharded on restore), each step accumulating two
-    micro-batches of 4 sequences."""
+    devices, pipelined over 2 stages x fsdp 2 (the checkpoint is resharded on restore), each step
+    accumulating two micro-batches of 4 sequences, each cut into 2 for the pipeline."""
     common = ("run_name=sharded", SAME_SCHEDULE, "log_period=1", "vocab_parallel_axes=[data,fsdp,expert]")
     records = run(
         jax_cache,
@@ -121,12 +121,40 @@ def test_sharded_run_matches_single_device_and_resumes_on_another_mesh(reference
         f"steps={COMPARE_STEPS + more}",
         "per_device_batch_size=1",
         "gradient_accumulation_steps=2",
-        "ici_fsdp_parallelism=4",
+        "ici_pipeline_parallelism=2",
+        "ici_fsdp_parallelism=2",
     )
     resumed = records[-more:]
     assert [r["step"] for r in resumed] == [COMPARE_STEPS + 1, COMPARE_STEPS + 2]
     expected = [r["loss"] for r in reference[1][COMPARE_STEPS : COMPARE_STEPS + more]]
     assert [r["loss"] for r in resumed] == pytest.approx(expected, rel=1e-5)
+
+
+def test_pipelined_run_matches_single_device_and_resumes_unpipelined(reference, tmp_path, jax_cache):
+    """20 steps with the MoE stack pipelined over 2 stages (x fsdp 2 x expert 2, all_to_all
+    exchange inside the stages) log the single-device run's losses; its last checkpoint then
+    continues on one device, unpipelined, with the reference's losses."""
+    steps, more = 20, 2
+    common = ("run_name=pipelined", SAME_SCHEDULE, "log_period=1")
+    records = run(
+        jax_cache,
+        tmp_path,
+        8,
+        *common,
+        f"steps={steps}",
+        "per_device_batch_size=1",
+        "ici_pipeline_parallelism=2",
+        "ici_fsdp_parallelism=2",
+        "ici_expert_parallelism=2",
+        "moe_ep_comm=all_to_all",
+    )
+    want = [r["loss"] for r in reference[1][: steps + more]]
+    assert [r["loss"] for r in records] == pytest.approx(want[:steps], rel=1e-5)
+    saved = yaml.safe_load((tmp_path / "pipelined" / "config.yml").read_text())
+    assert saved["ici_pipeline_parallelism"] == 2
+    records = run(jax_cache, tmp_path, 1, *common, f"steps={steps + more}", f"per_device_batch_size={GLOBAL_BATCH}")
+    assert [r["step"] for r in records[-more:]] == [steps + 1, steps + 2]
+    assert [r["loss"] for r in records[-more:]] == pytest.approx(want[steps:], rel=1e-5)
 
 
 def test_two_processes_match_single_device(reference, tmp_path, jax_cache):

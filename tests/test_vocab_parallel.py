@@ -80,6 +80,6 @@ def test_auto_takes_the_axes_inside_the_fast_domain_on_gpu():
     dcn factor: the GB200 recipe's racks split fsdp and data, leaving expert); CPU processes
     exchange over gloo and keep the plain computation."""
     config = load_config(["ici_expert_parallelism=4", "dcn_fsdp_parallelism=2"])
-    assert config.with_platform("gpu").vocab_axes() == ("data", "expert", "tensor")
+    assert config.with_platform("gpu").vocab_axes() == ("stage", "data", "expert", "tensor")
     assert config.with_platform("cpu").vocab_axes() == ()
     assert make_config("vocab_parallel_axes=[fsdp]").vocab_axes() == ("fsdp",)

@@ -44,6 +44,7 @@ from MaxText.moe.blocked import level_rows
 from MaxText.moe.expert_parallel import expert_axis
 from MaxText.moe.experts import EXPERTS_SCOPE, config_backend, moe_context, resolve_exchange
 from MaxText.parallel.mesh import make_mesh
+from MaxText.parallel.pipeline import bubble_fraction
 from MaxText.parallel.platform import compiling_for
 from MaxText.parallel.sharding import axis_rules, batch_sharding
 from MaxText.quantization.quantize import check_quantization
@@ -63,6 +64,19 @@ INSTEAD_OF_TE = {
     "attention": "cudnn, flash or dot",
 }
 SCOPES = (EXPERTS_SCOPE, ATTENTION_SCOPE)
+
+
+def pipeline_summary(config: Config) -> dict | None:
+    """The pipeline's shape and bubble, None without one."""
+    if config.pipeline_stages == 1:
+        return None
+    stages, repeats, microbatches = config.pipeline_stages, config.num_pipeline_repeats, config.pipeline_microbatches
+    return {
+        "stages": stages,
+        "repeats": repeats,
+        "microbatches": microbatches,
+        "bubble": bubble_fraction(stages, repeats, microbatches),
+    }
 
 
 def target_platform(config: Config) -> str:
@@ -288,5 +302,6 @@ def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget |
         overlap=schedule,
         lower_s=t1 - t0,
         compile_s=t2 - t1,
+        pipeline=pipeline_summary(config),
     )
     return report, compiled

@@ -45,6 +45,7 @@ class AotReport:
     lower_s: float
     compile_s: float
     warnings: list[str] = field(default_factory=list)
+    pipeline: dict | None = None  # stages, repeats, microbatches, bubble (the share of iterations a stage idles)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -52,6 +53,16 @@ class AotReport:
 
 def _ratio(a: float, b: float) -> str:
     return f"{a / b:.3f}" if b else "-"
+
+
+def _pipeline_lines(pipeline: dict | None) -> list[str]:
+    if not pipeline:
+        return []
+    return [
+        f"pipeline: {pipeline['stages']} stages x {pipeline['repeats']} repeats, {pipeline['microbatches']} micro-batches;"
+        f" bubble {pipeline['bubble']:.1%} of the iterations (its stages compute on a micro-batch and discard it:"
+        " the MoE stack's HLO FLOPs include them)"
+    ]
 
 
 def format_report(r: AotReport, hbm_gb: float | None, limit_gb: float | None = None) -> str:
@@ -66,6 +77,7 @@ def format_report(r: AotReport, hbm_gb: float | None, limit_gb: float | None = N
         f" moe_ep_comm={r.choices.exchange_compiled}; the target runs attention: {r.choices.attention_target};"
         f" moe_matmul: {r.choices.backend_target}; moe_ep_comm: {r.choices.exchange_target}",
         f"lower {r.lower_s:.1f} s, compile {r.compile_s:.1f} s",
+        *_pipeline_lines(r.pipeline),
         "",
         "memory per device (XLA memory_analysis)          GB",
         f"  arguments (train state + batch)          {m['arguments'] / GB:10.2f}",

@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from MaxText.config import Config
+from MaxText.parallel.sharding import constrain  # noqa: F401  (the layers' one import of it)
 from MaxText.quantization import linear, recipe_of
 
 
@@ -57,11 +58,6 @@ def project(
     its cuDNN GEMMs leave the weight gradient split as the weight is stored where the mesh allows)."""
     w = param(module, name, config, shape, logical_axes)
     return linear(x, w, recipe_of(config), contract, logical_axes)
-
-
-def constrain(x, logical_axes: Sequence[str]):
-    """Shard an activation by logical axis names (a no-op outside a mesh)."""
-    return nn.with_logical_constraint(x, tuple(logical_axes))
 
 
 @functools.cache  # an import that failed once fails again; don't retry it at every trace

@@ -3,7 +3,11 @@
 ``x += MLA(norm(x)); x += FFN(norm(x))`` where FFN is the dense SwiGLU or the MoE block.
 Layers of one kind are stacked with ``nn.scan`` (weights get a leading ``layers`` axis), so
 compile time does not grow with depth; ``remat_policy`` chooses what each layer keeps for the
-backward pass.
+backward pass. With a ``stage`` mesh axis, the stack marked ``pipeline`` runs through the
+circular pipeline instead (``parallel/pipeline.py``) with the same weights, stored in the same
+``[layers, ...]`` layout, split over the stages, and the same statistics.
+
+Shape legend: B batch, S sequence, D model dim, M pipeline micro-batches.
 """
 
 import flax.linen as nn
@@ -14,9 +18,11 @@ from MaxText.layers.attention import MLA
 from MaxText.layers.common import constrain
 from MaxText.layers.mlp import SwiGLU
 from MaxText.layers.norms import RMSNorm
-from MaxText.moe.block import MOE_COLLECTIONS, MoEBlock
+from MaxText.moe.block import BIAS, LOAD, LOSS, MOE_COLLECTIONS, MoEBlock
+from MaxText.parallel.pipeline import circular_pipeline, from_stages, to_stages
 
 ACTIVATION_AXES = ("activation_batch", "activation_length", "activation_embed")
+PIPELINE_LAYERS = "pipeline_layers"  # the logical name of the pipelined stack's layer dim (split over stage)
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -42,24 +48,61 @@ class DecoderLayer(nn.Module):
 
 
 class LayerStack(nn.Module):
-    """``num_layers`` identical decoder layers, scanned."""
+    """``num_layers`` identical decoder layers, scanned; with ``pipeline`` and more than one
+    pipeline stage, run through the circular pipeline (initialised by the scan all the same)."""
 
     config: Config
     use_moe: bool
     num_layers: int
+    pipeline: bool = False
 
     @nn.compact
     def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, segment_ids_BS: jax.Array) -> jax.Array:
+        c = self.config
+        if self.pipeline and c.pipeline_stages > 1 and not self.is_initializing():
+            return self.pipelined(x_BSD, positions_BS, segment_ids_BS)
         layer = DecoderLayer
-        if self.config.remat_policy != "none":
-            layer = nn.remat(layer, policy=REMAT_POLICIES[self.config.remat_policy], prevent_cse=False)
+        if c.remat_policy != "none":
+            layer = nn.remat(layer, policy=REMAT_POLICIES[c.remat_policy], prevent_cse=False)
         stacked = nn.scan(
             layer,
             variable_axes={"params": 0, **{name: 0 for name in MOE_COLLECTIONS}},
             split_rngs={"params": True},
             in_axes=(nn.broadcast, nn.broadcast),
             length=self.num_layers,
-            metadata_params={nn.PARTITION_NAME: "layers"},
+            metadata_params={nn.PARTITION_NAME: PIPELINE_LAYERS if self.pipeline else "layers"},
         )
-        x_BSD, _ = stacked(self.config, self.use_moe, name="layers")(x_BSD, positions_BS, segment_ids_BS)
+        x_BSD, _ = stacked(c, self.use_moe, name="layers")(x_BSD, positions_BS, segment_ids_BS)
         return x_BSD
+
+    def pipelined(self, x_BSD: jax.Array, positions_BS: jax.Array, segment_ids_BS: jax.Array) -> jax.Array:
+        """The scan's layers through ``circular_pipeline`` on M micro-batches (rows i, i + M, ...
+        of the batch, so each keeps the batch's split); the MoE loads summed and the balance loss
+        averaged over them, as one batch would give (equal micro-batches: it is a mean over
+        sequences). Each layer is the scan's layer applied to its slice of the stacked variables."""
+        c = self.config
+        M = c.pipeline_microbatches
+        layer = DecoderLayer(c, self.use_moe, parent=None)
+        collections = [name for name in ("params", BIAS) if self.has_variable(name, "layers")]
+        stack = nn.unbox({name: self.get_variable(name, "layers") for name in collections})
+
+        def one_layer(variables, x, side):
+            (y, _), state = layer.apply(variables, x, *side, mutable=[LOAD, LOSS])
+            return y, (state.get(LOAD, {}), state.get(LOSS, {}))
+
+        if c.remat_policy != "none":
+            one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[c.remat_policy], prevent_cse=False)
+
+        def split(a):  # [B, ...] -> [M, B / M, ...]: micro-batch i takes rows i, i + M, ...
+            return a.reshape(a.shape[0] // M, M, *a.shape[1:]).swapaxes(0, 1)
+
+        staged = to_stages(stack, c.pipeline_stages, c.num_pipeline_repeats)
+        y_MBSD, (load, loss) = circular_pipeline(
+            one_layer, staged, split(x_BSD), (split(positions_BS), split(segment_ids_BS))
+        )
+        if self.is_mutable_collection(LOAD):
+            self.put_variable(LOAD, "layers", from_stages(load))
+        if self.is_mutable_collection(LOSS):
+            self.put_variable(LOSS, "layers", jax.tree.map(lambda a: a / M, from_stages(loss)))
+        y_BSD = y_MBSD.swapaxes(0, 1).reshape(x_BSD.shape)
+        return constrain(y_BSD, ACTIVATION_AXES)

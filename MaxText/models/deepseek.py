@@ -1,5 +1,8 @@
 """The DeepSeek-V3 decoder: embedding, dense then MoE layer stacks, output head, MTP modules.
 
+With pipeline stages (``ici/dcn_pipeline_parallelism``) the MoE stack runs through the pipeline;
+everything else runs on each stage's share of the batch (the rules split it over ``stage`` too).
+
 Every size and switch comes from config keys; nothing here depends on a model's name.
 
 Shape legend: B batch, S sequence, D model dim, V vocabulary, N MTP depth.
@@ -72,7 +75,9 @@ class DeepSeekV3(nn.Module):
                 x_BSD, positions_BS, segment_ids_BS
             )
         if c.num_moe_layers > 0:
-            x_BSD = LayerStack(c, True, c.num_moe_layers, name="moe_layers")(x_BSD, positions_BS, segment_ids_BS)
+            x_BSD = LayerStack(c, True, c.num_moe_layers, pipeline=True, name="moe_layers")(
+                x_BSD, positions_BS, segment_ids_BS
+            )
         normed = [RMSNorm(c, name="final_norm")(x_BSD)]
 
         h_BSD = x_BSD

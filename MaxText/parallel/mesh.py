@@ -1,6 +1,6 @@
 """The device mesh from ``ici_*`` and ``dcn_*`` parallelism.
 
-Axes are ``MESH_AXES`` (data, fsdp, expert, tensor). Each axis is ``dcn x ici`` ways: the dcn
+Axes are ``MESH_AXES`` (stage, data, fsdp, expert, tensor). Each axis is ``dcn x ici`` ways: the dcn
 part spans fast domains (NVL72 racks, hosts), the ici part stays inside one. Devices are ordered
 by process, so consecutive processes (a rack, under Slurm's block topology) form one domain;
 the dcn factor of every axis is outermost.
@@ -38,11 +38,21 @@ def mesh_shape(config: Config, num_devices: int) -> tuple[list[int], list[int]]:
             f"config key 'ici_*/dcn_*_parallelism': the mesh {dict(zip(MESH_AXES, np.multiply(ici, dcn).tolist(), strict=True))}"
             f" needs {product} devices, but this job has {num_devices} devices"
         )
-    experts = [d * i for d, i in zip(dcn, ici, strict=True)][MESH_AXES.index("expert")]
-    if config.num_experts % experts:
+    ways = dict(zip(MESH_AXES, [d * i for d, i in zip(dcn, ici, strict=True)], strict=True))
+    if config.num_experts % ways["expert"]:
         raise ConfigError(
-            f"config key 'ici_expert_parallelism': num_experts ({config.num_experts}) is not divisible by expert parallelism ({experts})"
+            f"config key 'ici_expert_parallelism': num_experts ({config.num_experts}) is not divisible by expert parallelism ({ways['expert']})"
         )
+    if ways["stage"] > 1:
+        # Inside a stage, a micro-batch's rows are split over the stage's devices but tensor.
+        rows, microbatches = config.micro_batch_size(num_devices), config.pipeline_microbatches
+        split = num_devices // (ways["stage"] * ways["tensor"])
+        if rows % (microbatches * split):
+            raise ConfigError(
+                f"config key 'num_pipeline_microbatches': {rows} sequences per batch do not cut into {microbatches} "
+                f"micro-batches of a multiple of {split} rows (one per device of a stage); change "
+                "num_pipeline_microbatches or per_device_batch_size"
+            )
     return dcn, ici
 
 

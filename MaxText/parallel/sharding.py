@@ -34,10 +34,30 @@ def spec_axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:
 
 
 def batch_mesh_axes() -> tuple[str, ...]:
-    """The mesh axes the rules map ``activation_batch`` (the tokens' split) onto, () outside a mesh."""
+    """The mesh axes the rules map ``activation_batch`` (the tokens' split) onto, () outside a
+    mesh; inside a shard_map, less its manual axes (a pipeline stage's tokens are its own)."""
     if jax.sharding.get_abstract_mesh().empty:
         return ()
-    return spec_axes(nn.logical_to_mesh_axes(("activation_batch",))[0])
+    return without_manual_axes(PartitionSpec(nn.logical_to_mesh_axes(("activation_batch",))[0]))[0] or ()
+
+
+def without_manual_axes(spec: PartitionSpec) -> PartitionSpec:
+    """``spec`` less the current mesh's manual axes (inside a shard_map, such as the pipeline's
+    over ``stage``, those are split by hand; a sharding constraint may not name them). Each entry
+    becomes a tuple of mesh axes, or None."""
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    entries = [tuple(a for a in spec_axes(entry) if a not in manual) for entry in spec]
+    return PartitionSpec(*(entry or None for entry in entries))
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str]) -> jax.Array:
+    """Shard an activation by logical axis names (a no-op outside a mesh); inside a shard_map the
+    rules' manual axes are left out."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not mesh.manual_axes:
+        return nn.with_logical_constraint(x, tuple(logical_axes))
+    spec = nn.logical_to_mesh_axes(tuple(logical_axes))
+    return jax.lax.with_sharding_constraint(x, without_manual_axes(spec))
 
 
 def vocabulary_group(
@@ -101,7 +121,7 @@ def parameter_mesh_axes(
         mesh_axes = spec_axes(axes)
         if assigned[i] or used & set(mesh_axes):
             continue
-        ways = math.prod(axis_sizes[a] for a in mesh_axes)
+        ways = math.prod(axis_sizes.get(a, 1) for a in mesh_axes)  # an axis not given is one way
         if shape[i] % ways:
             indivisible[i] = (ways, axes)  # the last one tried is the one to report
             continue

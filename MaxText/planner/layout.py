@@ -23,9 +23,11 @@ import math
 from dataclasses import dataclass
 
 from MaxText.config import ConfigError
+from MaxText.parallel.axes import MESH_AXES as PARALLEL_MESH_AXES
+from MaxText.parallel.axes import parallelism_key
 
 AXES = ("data", "fsdp", "expert", "tensor", "stage")
-MESH_AXES = AXES[:4]
+MESH_AXES = PARALLEL_MESH_AXES  # the same axes, in the mesh's order
 REMAT_POLICIES = ("none", "minimal", "full")  # the repository's remat_policy values
 MODELLED_REMAT = (*REMAT_POLICIES, "selective")  # + Megatron's selective recompute
 
@@ -132,8 +134,8 @@ class Layout:
             raise ConfigError("layout: pipeline parallelism is not implemented in this repository; no overlay to write")
         keys: dict[str, int | str] = {}
         for axis in MESH_AXES:
-            keys[f"ici_{axis}_parallelism"] = self.ici.get(axis, 1)
-            keys[f"dcn_{axis}_parallelism"] = self.dcn.get(axis, 1)
+            keys[parallelism_key("ici", axis)] = self.ici.get(axis, 1)
+            keys[parallelism_key("dcn", axis)] = self.dcn.get(axis, 1)
         keys["per_device_batch_size"] = self.mbs // self.tp
         keys["gradient_accumulation_steps"] = self.microbatches
         keys["remat_policy"] = self.remat

@@ -62,13 +62,16 @@ def _boxed_leaves(config_json: str) -> tuple[tuple[tuple[str | None, ...], tuple
 
 
 def sharded_state_bytes(spec: ModelSpec, layout: Layout) -> float:
-    """Bytes of weights, gradients and Adam moments per GPU under the repository's sharding rules."""
+    """Bytes of weights, gradients and Adam moments per GPU under the repository's sharding rules;
+    with pipeline stages the first stage's: ceil(layers / stages) of the MoE stack (what its rule
+    stores there when stages divide the layers), the rest on every stage."""
     import jax.numpy as jnp
 
     from MaxText.config import ConfigError
+    from MaxText.models.decoder import PIPELINE_LAYERS
     from MaxText.parallel.sharding import parameter_mesh_axes, parameter_rules, spec_axes
 
-    axis_sizes = {a: layout.size(a) for a in MESH_AXES}
+    axis_sizes = {a: layout.size(a) for a in MESH_AXES if a != "stage"}  # the stack's split: below
     if spec.config is None:  # no repository model: split everything over every axis but data
         return 16.0 * spec.params / (layout.num_gpus // layout.size("data"))
     rules = parameter_rules(spec.config, axis_sizes)
@@ -85,10 +88,13 @@ def sharded_state_bytes(spec: ModelSpec, layout: Layout) -> float:
                 raise ConfigError(f"config key 'logical_axis_rules': a parameter {shape} {err}") from None
             for axes in assigned:
                 for axis in spec_axes(axes):
-                    ways *= axis_sizes[axis]
+                    ways *= axis_sizes.get(axis, 1)
         per_element = (2 * itemsize + 2 * moment_bytes) if trainable else itemsize  # weight, gradient, mu, nu
+        if PIPELINE_LAYERS in names:
+            layers = shape[names.index(PIPELINE_LAYERS)]
+            ways *= layers / math.ceil(layers / layout.pp)
         total += math.prod(shape) / ways * per_element
-    return total / layout.pp
+    return total
 
 
 def distributed_optimizer_bytes(spec: ModelSpec, layout: Layout, precision: str) -> float:
