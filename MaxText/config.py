@@ -252,6 +252,14 @@ class Config(BaseModel):
         """Sequences in one micro-batch over all devices."""
         return self.per_device_batch_size * num_devices
 
+    def routed_tokens_per_device(self, num_devices: int) -> int:
+        """Tokens one MoE layer of the stack routes per device: a device's share of a batch, or
+        pipelined, of a pipeline micro-batch (1/M of the batch over the 1/p of the devices of a stage)."""
+        tokens = self.micro_batch_size(num_devices) * self.max_target_length // num_devices
+        if self.pipeline_stages == 1:
+            return tokens
+        return tokens * self.pipeline_stages // self.pipeline_microbatches
+
     def global_batch_size(self, num_devices: int) -> int:
         """Sequences per optimizer step."""
         return self.micro_batch_size(num_devices) * self.gradient_accumulation_steps

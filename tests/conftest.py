@@ -32,6 +32,7 @@ def make_config(*overrides: str, model: str = "deepseek3-tiny") -> Config:
 SLOW_FILES_FIRST = (
     "test_slurm_cluster.py",
     "test_train.py",
+    "test_pipeline.py",
     "test_aot_gpu.py",
     "test_expert_parallel.py",
     "test_train_parts.py",

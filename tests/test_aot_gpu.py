@@ -251,6 +251,38 @@ def test_pipeline_stage_transfers_are_asynchronous_on_gb200():
     assert compiled_script(PIPELINE_STAGE_TRANSFERS)[-1] == "2 0"
 
 
+def test_pipelined_model_compiles_for_gb200_with_cudnn_attention():
+    """The tiny model's MoE stack pipelined over 2 stages (x fsdp 2 x expert 2), cuDNN's fused
+    attention inside the stages: JAX cannot partition that kernel inside the pipeline's shard_map
+    (manual over stage), so it runs on each device's rows and heads by hand
+    (``attention_ops.on_each_shard``). Compiled for GB200, the stage transfers are
+    collective-permutes over ``stage``, the report gives the bubble, and the routed experts' HLO
+    FLOPs are the dropless ideal times what the pipeline adds: the bubble's iterations, 5/4 here,
+    and one more forward (each iteration rematerialised), 4/3."""
+    # No MTP: its MoE layer routes a whole batch's tokens, and the report's block-loop trip counts
+    # take the pipelined stack's (a micro-batch's).
+    args = (
+        "model_name=deepseek3-tiny",
+        "mtp_num_layers=0",
+        "dtype=bfloat16",
+        "attention=cudnn",
+        "max_target_length=256",
+    )
+    pipeline = (
+        "per_device_batch_size=2",
+        "ici_pipeline_parallelism=2",
+        "ici_expert_parallelism=2",
+        "num_pipeline_microbatches=4",
+    )
+    r = _json(aot(*args, *pipeline, "--devices", "8", "--target", "gb200", "--json"))
+    assert r["choices"]["attention_compiled"] == "cudnn"
+    assert r["mesh"] == {"stage": 2, "data": 1, "fsdp": 2, "expert": 2, "tensor": 1}
+    assert r["collectives_by_axes"]["collective-permute over stage"]["count"] >= 2
+    assert r["pipeline"] == {"stages": 2, "repeats": 1, "microbatches": 4, "bubble": pytest.approx(1 / 5)}
+    expected = r["scope_expected"]["routed_experts"]
+    assert r["scope_flops"]["routed_experts"] == pytest.approx(expected, rel=0.01)
+
+
 def test_xla_gpu_lowers_ragged_dot_densely_over_the_local_experts():
     """Why ``auto`` takes ``blocked`` on GPU without Transformer Engine: XLA:GPU runs ragged_dot as
     one dense matmul over a GPU's local experts and the whole layout (``moe_ep_buffer_factor`` x

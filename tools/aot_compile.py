@@ -43,6 +43,11 @@ JAX_MEMORY_FRACTION = 0.75  # JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION
 # (the 4-layer 671B case: 43.2 GB of temp against 38.8); a GPU's latency-hiding scheduler works to
 # the device's memory limit. The memory-minimising order is the closer model of a GPU's peak.
 MEMORY_SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+# XLA:CPU's pass that widens bfloat16 all-reduces to float32 aborts ("Invalid binary instruction
+# opcode copy") on the pipeline's all-reduces over its stage axis (their reduction computation ends
+# in a copy). Only the compile is wanted here, so a pipelined compile leaves the pass out: its
+# all-reduces stay bfloat16 (XLA:CPU's other figures move their bfloat16 collectives as float32).
+NO_ALL_REDUCE_PROMOTION = "--xla_disable_hlo_passes=all-reduce-promotion"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -139,14 +144,16 @@ class CaptureStderr:
         return False
 
 
-def _set_xla_flags(recipe_flags: list[str], devices: int, target: str | None) -> None:
+def _set_xla_flags(recipe_flags: list[str], devices: int, target: str | None, pipelined: bool = False) -> None:
     """XLA_FLAGS for the compile, set before JAX starts: the recipe's GPU flags (a GPU target) or
-    the simulated device count and the memory-minimising schedule (XLA:CPU), then the user's."""
+    the simulated device count and the memory-minimising schedule (XLA:CPU; pipelined, without the
+    all-reduce promotion), then the user's."""
     user = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).split()
     if target:
         flags = recipe_flags + user
     else:
         flags = user + ([] if any("concurrency_optimized_scheduler" in f for f in user) else [MEMORY_SCHEDULER])
+        flags += [NO_ALL_REDUCE_PROMOTION] if pipelined else []
         flags.append(f"--xla_force_host_platform_device_count={devices}")
     os.environ["XLA_FLAGS"] = " ".join(flags)
 
@@ -158,15 +165,16 @@ def main(argv: list[str]) -> int:
     if args.recipe:
         recipe = read_recipe(args.recipe)
         config_args, devices, recipe_name = recipe.args + config_args, args.devices or recipe.devices, args.recipe.name
+    from MaxText.config import ConfigError, load_config_or_exit  # imports no JAX
+
+    config = load_config_or_exit(config_args)
     os.environ["JAX_PLATFORMS"] = "cpu"  # a GPU target's plugin must not probe for a GPU
-    _set_xla_flags(recipe.xla_flags, devices, args.target)
+    _set_xla_flags(recipe.xla_flags, devices, args.target, config.pipeline_stages > 1)
 
     from MaxText.aot.compile import compile_train_step
     from MaxText.aot.report import format_report
-    from MaxText.config import ConfigError, load_config_or_exit
     from MaxText.train.metrics import hbm_gb
 
-    config = load_config_or_exit(config_args)
     target = compile_devices = None
     if args.target:
         from MaxText.aot.targets import compile_devices_or_error

@@ -88,12 +88,16 @@ def _layout_from_config(config, num_gpus: int, remat: str, gbs: int | None):
     dcn, ici = mesh_shape(config, num_gpus)
     tp = ici[MESH_AXES.index("tensor")] * dcn[MESH_AXES.index("tensor")]
     micro = config.micro_batch_size(num_gpus)
+    stages = config.pipeline_stages
+    # Megatron's terms: a micro-batch is a pipeline micro-batch (1/M of a batch, M per step).
+    microbatches = config.pipeline_microbatches if stages > 1 else 1
     return Layout(
         dict(zip(MESH_AXES, ici, strict=True)),
         dict(zip(MESH_AXES, dcn, strict=True)),
-        mbs=config.per_device_batch_size * tp,
+        mbs=config.per_device_batch_size * tp * stages // microbatches,
         gbs=gbs or micro * config.gradient_accumulation_steps,
         remat=remat,
+        vpp=config.num_pipeline_repeats if stages > 1 else 1,
     )
 
 

@@ -169,7 +169,9 @@ def expected_step_flops(config: Config, tokens: int) -> dict[str, float]:
     Remat (``full`` or ``minimal``, as an upper bound) recomputes each scanned decoder layer's
     forward inside the backward (+1/3 of its training FLOPs; the MTP module's layer is not
     rematerialised); with ``vocab_chunks`` > 1 the loss recomputes every head's forward
-    (+1/3 of its training FLOPs)."""
+    (+1/3 of its training FLOPs). Pipelined, the MoE stack's forward runs once more (each
+    iteration is rematerialised from its input) and its stages compute through the bubble too
+    (``(r m + p - 1) / (r m)`` of the useful iterations)."""
     counts = count_parameters(config)
     flops = train_flops(config, counts)
     head = 6 * counts.main["output_head"]
@@ -184,7 +186,22 @@ def expected_step_flops(config: Config, tokens: int) -> dict[str, float]:
     if config.vocab_chunks > 1:
         head += head / 3 * (1 + config.mtp_num_layers)
     active = config.num_experts_per_tok / config.num_experts
-    experts = 6 * active * (counts.main["routed_experts"] * remat + counts.mtp_parts["routed_experts"])
+    routed = counts.main["routed_experts"] * remat
+    if config.pipeline_stages > 1:
+        stages, repeats, m = config.pipeline_stages, config.num_pipeline_repeats, config.pipeline_microbatches
+        bubble = (repeats * m + stages - 1) / (repeats * m)
+        layer_share = config.num_moe_layers / max(config.base_num_decoder_layers, 1)
+        parts = counts.main
+        stack = 6 * (parts["attention"] * layer_share + parts["router"] + parts["shared_experts"])
+        stack += 6 * active * parts["routed_experts"]
+        main += stack * ((remat + 1 / 3) * bubble - remat)
+        per_pass = rematted - plain  # one forward of the attention core
+        stack_attention = per_layer_attention * config.num_moe_layers
+        layer_factor = rematted if remat > 1 else plain
+        main += stack_attention * ((layer_factor + per_pass) * bubble - layer_factor)
+        attention += stack_attention * ((layer_factor + per_pass) * bubble - layer_factor)
+        routed = counts.main["routed_experts"] * (remat + 1 / 3) * bubble
+    experts = 6 * active * (routed + counts.mtp_parts["routed_experts"])
     return {
         "model": float(flops.total) * tokens,
         "compiled": (main + head + mtp) * tokens,
@@ -246,6 +263,7 @@ def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget |
     state_shardings = jax.tree.map(lambda leaf: leaf.sharding, state)
     step = jit_train_step(model, config, optimizer, state_shardings, batch_sharding(mesh, config))
     tokens_per_device = config.micro_batch_size(len(devices)) * config.max_target_length // len(devices)
+    routed_per_device = config.routed_tokens_per_device(len(devices))
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)), moe_context(config, mesh, tokens_per_device):
         ep = mesh.shape[axis] if (axis := expert_axis()) else 1
         t0 = time.perf_counter()
@@ -264,7 +282,7 @@ def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget |
     memory["total"] = memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temp"] + memory["code"]
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    block_trips = balanced_block_trips(config, tokens_per_device, ep)
+    block_trips = balanced_block_trips(config, routed_per_device, ep)
     text = compiled.as_text()
     stats = hlo_stats(text, dict(mesh.shape), block_trips, SCOPES)
     tokens = config.global_batch_size(len(devices)) * config.max_target_length
@@ -274,7 +292,7 @@ def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget |
     if target:
         domain_size = len(devices) // int(target.topology(len(devices)).split("x")[0])
         domain_of = np.array([d.id // domain_size for d in mesh.devices.flat])
-        rows = ragged_rows(config, tokens_per_device, ep)
+        rows = ragged_rows(config, routed_per_device, ep)
         schedule = overlap(text, target.hardware, domain_of, rows, block_trips).as_dict()
     report = AotReport(
         devices=len(devices),

@@ -22,9 +22,10 @@ time of the computation it passes:
 The shares are estimates from a cost model, not measurements: XLA:GPU's own schedule decisions are
 real, the durations on both sides are modelled. Each collective is put in one category by where
 its op came from: the MoE block's expert-parallel ``shard_map`` (the expert exchange), the
-vocabulary split's ``shard_map`` (the ``routed_experts`` named scope marks the experts in op
-names), and otherwise by kind (all-gathers: FSDP weight gathers; reduce-scatters: FSDP gradient
-scatters; all-reduces: data-parallel gradient sums and statistics; other all-to-alls: reshards).
+vocabulary split's ``shard_map`` (the ``routed_experts`` and ``vocab_split`` named scopes mark
+them in op names), and otherwise by kind (all-gathers: FSDP weight gathers; reduce-scatters: FSDP
+gradient scatters; all-reduces: data-parallel gradient sums and statistics; collective-permutes:
+the pipeline's stage transfers; other all-to-alls: reshards).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from MaxText.aot.hlo_stats import (
     shape_bytes,
     tuple_elements,
 )
+from MaxText.layers.vocab_parallel import VOCAB_SCOPE
 from MaxText.moe.expert_parallel import WEIGHTS_SCOPE
 from MaxText.planner.comms import exchange_link_bytes, exchange_seconds, gather_link_bytes, link_seconds
 from MaxText.planner.constants import GEMM_EFFICIENCY
@@ -60,6 +62,7 @@ CATEGORIES = (
     "FSDP weight gathers",
     "FSDP gradient scatters",
     "all-reduces",
+    "pipeline stage transfers",
     "reshards",
 )
 # Instructions that launch no kernel: they move no bytes and take no time here.
@@ -77,8 +80,10 @@ def category(kind: str, name: str) -> str:
     in_experts = "/routed_experts/shard_map" in name and f"/{WEIGHTS_SCOPE}/" not in name
     if kind == "ragged-all-to-all" or (in_experts and (kind != "all-reduce" or name.endswith("pmax"))):
         return "expert exchange"
-    if "shard_map" in name and "/moe/" not in name and kind != "all-reduce":
+    if VOCAB_SCOPE in name and "shard_map" in name and kind != "all-reduce":  # "jvp(vocab_split)/shard_map" too
         return "vocabulary split"
+    if kind == "collective-permute":
+        return "pipeline stage transfers"  # the only collective-permutes: parallel/pipeline.py's ppermute
     return {
         "all-gather": "FSDP weight gathers",
         "reduce-scatter": "FSDP gradient scatters",

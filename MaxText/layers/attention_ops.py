@@ -32,7 +32,9 @@ Shape legend: B batch, S query positions, T key positions, H heads, K qk head di
 """
 
 from collections.abc import Callable
+from functools import partial
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -41,6 +43,7 @@ from MaxText.layers.common import float32_or_wider, import_error
 from MaxText.layers.flash_attention import flash_attention
 from MaxText.layers.rotary import softmax_scale
 from MaxText.parallel.platform import GPU_PLATFORMS, trace_platform
+from MaxText.parallel.sharding import without_manual_axes
 
 # From this length dot's scores start to cost memory (H x 4 MB at 1,024 in float32); below it dot's
 # one program is small, and flash's blocks would cover most of the sequence.
@@ -154,6 +157,7 @@ BACKENDS: dict[str, AttentionBackend] = {
     "cudnn": _cudnn,
     "te": _transformer_engine,
 }
+CUSTOM_PARTITIONED = ("cudnn", "te")  # kernels JAX partitions by a rule of their own (custom_partitioning)
 
 
 # ---------------------------------------------------------------- choice and checks
@@ -209,5 +213,27 @@ def attend(q_BSHK, k_BTHK, v_BTHV, segment_ids_BS, config: Config) -> jax.Array:
     """Causal, document-masked softmax attention [B, S, H, V] by the backend ``attention`` picks."""
     seq_len = q_BSHK.shape[1]
     check_attention(config, trace_platform(), seq_len)
+    backend = resolve_attention(config, seq_len)
+    run = partial(BACKENDS[backend], config=config)
+    mesh = jax.sharding.get_abstract_mesh()
+    if backend in CUSTOM_PARTITIONED and not mesh.empty and mesh.manual_axes:
+        run = on_each_shard(run)
     with jax.named_scope(ATTENTION_SCOPE):
-        return BACKENDS[resolve_attention(config, seq_len)](q_BSHK, k_BTHK, v_BTHV, segment_ids_BS, config)
+        return run(q_BSHK, k_BTHK, v_BTHV, segment_ids_BS)
+
+
+def on_each_shard(run: Callable) -> Callable:
+    """``run`` on each device's rows and heads, in a shard_map over the mesh axes not yet manual.
+    Inside a partly manual region (a pipeline stage: manual over ``stage``) JAX cannot partition
+    the cuDNN and Transformer Engine kernels (custom_partitioning: its cuDNN rule reads the spec of
+    a NamedSharding and is handed a GSPMD one); split by hand, there is nothing left to partition."""
+    mesh = jax.sharding.get_abstract_mesh()
+    qkv = without_manual_axes(nn.logical_to_mesh_axes(("activation_batch", None, "activation_heads", None)))
+    rows = without_manual_axes(nn.logical_to_mesh_axes(("activation_batch", None)))
+    return jax.shard_map(
+        run,
+        in_specs=(qkv, qkv, qkv, rows),
+        out_specs=qkv,
+        axis_names=set(mesh.axis_names) - set(mesh.manual_axes),
+        check_vma=False,
+    )

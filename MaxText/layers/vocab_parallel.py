@@ -34,6 +34,8 @@ from jax.sharding import PartitionSpec as P
 from MaxText.layers.common import constrain, float32_or_wider
 from MaxText.parallel.sharding import batch_mesh_axes, vocabulary_group
 
+VOCAB_SCOPE = "vocab_split"  # the named scope of the split's shard_maps (op names carry it: aot/overlap.py)
+
 
 def split_batch_axes() -> tuple[str, ...]:
     """The batch mesh axes that split the tokens (size > 1), () outside a mesh."""
@@ -123,7 +125,10 @@ def embed_lookup(
             return lookup_slice(ids_bS)
         return _unslice(jax.lax.map(lookup_slice, _slices(ids_bS, chunks)))
 
-    return jax.shard_map(lookup, in_specs=(P(group, None), P(batch_axes)), out_specs=P(batch_axes))(table_VD, ids_BS)
+    with jax.named_scope(VOCAB_SCOPE):
+        return jax.shard_map(lookup, in_specs=(P(group, None), P(batch_axes)), out_specs=P(batch_axes))(
+            table_VD, ids_BS
+        )
 
 
 def head_logits(x_bsD: jax.Array, head_Dv: jax.Array) -> jax.Array:
@@ -168,7 +173,8 @@ def head_nll_sum(
         return jax.lax.psum(_map_slices(slice_nll, (x_bSD, t_bS, wt_bS), chunks, w_Dv), batch_axes)
 
     specs = (P(batch_axes), P(None, group), P(batch_axes), P(batch_axes))
-    return jax.shard_map(nll, in_specs=specs, out_specs=P())(normed_BSD, head_DV, targets_BS, weights_BS)
+    with jax.named_scope(VOCAB_SCOPE):
+        return jax.shard_map(nll, in_specs=specs, out_specs=P())(normed_BSD, head_DV, targets_BS, weights_BS)
 
 
 def _whole_head_nll(args: tuple[jax.Array, ...], head_DV: jax.Array) -> jax.Array:

@@ -91,7 +91,10 @@ class Estimate:
 
     def not_runnable_reason(self) -> str | None:
         if self.layout.pp > 1:
-            return "pipeline parallelism is not implemented in this repository"
+            return (
+                "pipelines are timed as Megatron's interleaved 1F1B, not this repository's schedule "
+                "(all forward, then backward, each iteration rematerialised: docs/pipeline.md)"
+            )
         if not self.stack.runs_here:
             return f"stack '{self.stack.name}' is not this repository's"
         if self.precision not in self.precisions_here:

@@ -1,8 +1,9 @@
 """A parallel layout: how many ways each mesh axis splits, inside and across NVLink domains.
 
 The axes are the repository's mesh axes (``MaxText/parallel/axes.py``: data, fsdp, expert, tensor)
-plus ``stage`` for pipeline parallelism, which the repository does not implement: the planner
-models it (to compare with Megatron-LM, which uses it) and marks such layouts as not runnable here.
+plus ``stage`` for pipeline parallelism. The planner times a pipeline as Megatron-LM's interleaved
+1F1B, not as the repository's own schedule (``MaxText/parallel/pipeline.py``, whose memory
+``memory.py`` does model), so it marks pipelined layouts as not runnable here.
 Each axis has an ``ici`` part inside one NVLink domain and a ``dcn`` part across domains, as in
 ``MaxText/parallel/mesh.py``: a collective over a set of axes spans ``prod(ici)`` GPUs in each of
 ``prod(dcn)`` domains.
@@ -131,7 +132,9 @@ class Layout:
     def overlay(self) -> dict[str, int | str]:
         """The layout as base.yml keys (runnable layouts only)."""
         if not self.runnable:
-            raise ConfigError("layout: pipeline parallelism is not implemented in this repository; no overlay to write")
+            raise ConfigError(
+                "layout: the planner times pipelines as Megatron's schedule, not this repository's; no overlay to write"
+            )
         keys: dict[str, int | str] = {}
         for axis in MESH_AXES:
             keys[parallelism_key("ici", axis)] = self.ici.get(axis, 1)

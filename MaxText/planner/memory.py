@@ -106,6 +106,35 @@ def distributed_optimizer_bytes(spec: ModelSpec, layout: Layout, precision: str)
     return dense * (per_param + 12 / dp_dense) + experts * (per_param + 12 / dp_experts)
 
 
+def kept_per_token(spec: ModelSpec, remat: str, layers: float) -> float:
+    """Elements per token that ``layers`` of the model's average layer keep for the backward pass
+    under ``remat`` (``full``: each layer's input, plus one layer's working set)."""
+    share = layers / spec.layers
+    if remat == "none":
+        return spec.act_none * share
+    if remat in ("minimal", "selective"):
+        return (spec.act_minimal if remat == "minimal" else spec.act_selective) * share
+    return spec.d_model * layers + spec.act_layer
+
+
+def circular_pipeline_activation_bytes(spec: ModelSpec, layout: Layout) -> float:
+    """This repository's pipeline (``MaxText/parallel/pipeline.py``): every micro-batch runs
+    forward before any runs backward, each of a stage's ``m r + p - 1`` iterations rematerialised
+    from its input. A GPU holds those inputs, the micro-batches' input, output and waiting buffers
+    and their gradients (four per micro-batch), and one iteration's ``J = moe_layers / (p r)``
+    layers recomputed under the remat policy; outside the pipeline, the dense layers, the MTP
+    modules and the head run on the whole batch's tokens of the GPU (``m / p`` micro-batches'
+    worth), with their fp32 logits one ``vocab_chunks`` slice at a time."""
+    t = layout.mbs * spec.seq_len / layout.tp  # tokens per GPU per micro-batch inside a stage
+    m, pp, r, D = layout.microbatches, layout.pp, layout.vpp, spec.d_model
+    stacked = spec.config.num_moe_layers
+    batch = t * m / pp
+    inside = kept_per_token(spec, layout.remat, stacked / (pp * r)) * t + (m * r + pp - 1 + 4 * m) * t * D
+    outside = kept_per_token(spec, layout.remat, spec.layers - stacked) * batch
+    logits = batch * spec.vocab * 4 * 2 / spec.config.vocab_chunks
+    return (inside + outside) * ACTIVATION_BYTES + logits
+
+
 def activation_bytes(spec: ModelSpec, layout: Layout) -> float:
     t = layout.mbs * spec.seq_len / layout.tp
     pp, vpp = layout.pp, layout.vpp
@@ -126,6 +155,8 @@ def buffer_bytes(
 ) -> float:
     t = layout.mbs * spec.seq_len / layout.tp
     D, K = spec.d_model, spec.top_k
+    if stack.state == "sharded" and spec.config is not None and layout.pp > 1 and spec.config.mtp_num_layers:
+        t *= layout.microbatches / layout.pp  # the MTP's MoE layer, outside the pipeline, routes the whole batch
     if stack.state == "sharded" and spec.config is not None and layout.ep > 1:
         # this repository's exchange and expert layout, as its own accounting sizes them
         from MaxText.moe.expert_parallel import moe_working_bytes
@@ -160,9 +191,10 @@ def memory_per_gpu(
         state = sharded_state_bytes(spec, layout)
     else:
         state = distributed_optimizer_bytes(spec, layout, precision)
+    pipelined_here = stack.state == "sharded" and layout.pp > 1 and spec.config is not None
     parts = {
         "state": state,
-        "activations": activation_bytes(spec, layout),
+        "activations": (circular_pipeline_activation_bytes if pipelined_here else activation_bytes)(spec, layout),
         "buffers": buffer_bytes(spec, layout, stack, exchange_buffer_factor, fp8_copies),
     }
     parts["total"] = sum(parts.values())
