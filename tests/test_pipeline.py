@@ -159,14 +159,15 @@ def test_deepseek_moe_layers_through_the_pipeline_equal_them_in_order():
         out, stats = circular_pipeline(moe_layer, to_stages(stack, 2, 1), x_MB, (positions, segments), fill=np.nan)
         return out, from_stages(stats)
 
-    def objective(run, stack):
+    def objective(run, stack):  # one compile each for the outputs, the statistics and the gradients
         out, (load, balance) = run(stack)
-        return jnp.sum(out**2) + sum(jnp.sum(b) for b in jax.tree.leaves(balance))
+        return jnp.sum(out**2) + sum(jnp.sum(b) for b in jax.tree.leaves(balance)), (out, (load, balance))
 
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)):
-        (want, want_stats), (got, got_stats) = jax.jit(in_order)(stack), jax.jit(pipelined)(stack)
-        want_grads = jax.jit(jax.grad(partial(objective, in_order)))(stack)
-        grads = jax.jit(jax.grad(partial(objective, pipelined)))(stack)
+        (_, (want, want_stats)), want_grads = jax.jit(jax.value_and_grad(partial(objective, in_order), has_aux=True))(
+            stack
+        )
+        (_, (got, got_stats)), grads = jax.jit(jax.value_and_grad(partial(objective, pipelined), has_aux=True))(stack)
     assert_close(got, want)
     for a, b in zip(jax.tree.leaves(got_stats), jax.tree.leaves(want_stats), strict=True):
         assert_close(a, b)
@@ -176,7 +177,8 @@ def test_deepseek_moe_layers_through_the_pipeline_equal_them_in_order():
 
 
 # The DeepSeek model with 8 MoE layers (p x r divides 8), each pipelined layout once: p in {2, 4},
-# r in {1, 2}, m in {p, 2p}, both exchange backends; fsdp inside the stages where devices are left.
+# r in {1, 2}, m in {p, 2p}, both exchange backends; fsdp, or tensor, inside the stages where
+# devices are left.
 MODEL_CASES = [
     (
         "ici_pipeline_parallelism=2",
@@ -189,7 +191,8 @@ MODEL_CASES = [
         "ici_pipeline_parallelism=2",
         "num_pipeline_repeats=2",
         "num_pipeline_microbatches=4",
-        "ici_fsdp_parallelism=2",
+        "ici_fsdp_parallelism=1",
+        "ici_tensor_parallelism=2",  # tensor x stage: heads and hidden dims split inside the stages
         "moe_ep_comm=all_to_all",
     ),
     (

@@ -54,7 +54,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--arch", choices=ARCHS, help="a model the config cannot express (the planner's own description)")
     p.add_argument("--seq", type=int, default=4096, help="sequence length of an --arch model")
     p.add_argument("--tp", type=int, help="Megatron-style layout: tensor parallelism")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (modelled; not runnable here)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--vpp", type=int, default=1, help="virtual pipeline stages per GPU")
     p.add_argument("--ep", type=int, help="expert parallelism")
     p.add_argument("--mbs", type=int, default=1, help="micro-batch sequences per model replica (with --tp/--ep)")

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from MaxText.planner import circular
 from MaxText.planner.constants import ACTIVATION_BYTES, COLLECTIVE_EFFICIENCY, Stack
 from MaxText.planner.layout import MESH_AXES, Layout
 from MaxText.planner.model import ModelSpec
@@ -104,7 +105,8 @@ def collectives(
     out: list[Collective] = []
     tokens = layout.gbs * spec.seq_len / layout.num_gpus  # per GPU per step
     sharded = stack.state == "sharded"
-    passes = 5 if sharded else 6 if layout.remat == "full" else 4
+    pipelined = circular.applies(spec, layout, stack)
+    passes = (circular.exchange_passes(spec) if pipelined else 5) if sharded else 6 if layout.remat == "full" else 4
     grad_bytes = ACTIVATION_BYTES if sharded else GRAD_BYTES
     D, K, ep = spec.d_model, spec.top_k, layout.ep
     in_domain = layout.local(*layout.ep_axes)
@@ -135,13 +137,14 @@ def collectives(
         out.append(Collective("vocabulary split", "vocab", sent, 0.0, link_seconds(sent, 0.0, system)))
     if sharded:
         m = layout.microbatches
+        gathers, scatters = circular.fsdp_passes(layout) if pipelined else (2 * m, m)
         if layout.size("fsdp", "expert") > 1:  # dense weights: gathered forward and backward, gradients scattered
-            nvl, net, s = _gather(dense_full * WEIGHT_BYTES, layout, ("fsdp", "expert"), system, 2 * m)
-            nvl2, net2, s2 = _gather(dense_full * grad_bytes, layout, ("fsdp", "expert"), system, m)
+            nvl, net, s = _gather(dense_full * WEIGHT_BYTES, layout, ("fsdp", "expert"), system, gathers)
+            nvl2, net2, s2 = _gather(dense_full * grad_bytes, layout, ("fsdp", "expert"), system, scatters)
             out.append(Collective("fsdp dense all-gather + reduce-scatter", "fsdp", nvl + nvl2, net + net2, s + s2))
         if layout.size("fsdp") > 1:  # routed experts: gathered over fsdp forward and backward, gradients scattered
-            nvl, net, s = _gather(expert_full * WEIGHT_BYTES, layout, ("fsdp",), system, 2 * m)
-            nvl2, net2, s2 = _gather(expert_full * grad_bytes, layout, ("fsdp",), system, m)
+            nvl, net, s = _gather(expert_full * WEIGHT_BYTES, layout, ("fsdp",), system, gathers)
+            nvl2, net2, s2 = _gather(expert_full * grad_bytes, layout, ("fsdp",), system, scatters)
             out.append(Collective("fsdp expert all-gather + reduce-scatter", "fsdp", nvl + nvl2, net + net2, s + s2))
         if layout.size("data") > 1:  # gradients of the fsdp-sharded state, once per step
             shard = dense_full / layout.size("fsdp", "expert") + expert_full / layout.size("fsdp")

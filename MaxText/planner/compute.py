@@ -7,7 +7,8 @@ class executes 4/3 of its model FLOPs; ``minimal`` and ``none`` recompute no mat
 the precision's peak (FP8 for fp8 and mxfp8); attention cores run in BF16 at every precision, sped
 up on systems with faster softmax exponentials. Non-GEMM kernels stream the activations through
 HBM ``ELEMENTWISE_PASSES`` times. Host time is launch and synchronisation time a stack without CUDA
-graphs spends per layer per micro-batch.
+graphs spends per layer per micro-batch. This repository's pipeline reruns its MoE stack's
+forward (``circular.py``).
 
 FP8 comes in two forms (``fp8_kernels``). ``fused``: the GEMMs run on FP8 tensor cores at the FP8
 row of ``GEMM_EFFICIENCY`` (what the published FP8 runs did; the calibration). ``emulated``: this
@@ -19,6 +20,7 @@ GEMMs run at the bfloat16 rate (MX operands are exact in bfloat16).
 
 from __future__ import annotations
 
+from MaxText.planner import circular
 from MaxText.planner.constants import ACTIVATION_BYTES, ELEMENTWISE_PASSES, GEMM_EFFICIENCY, QUANTIZE_BYTES, Stack
 from MaxText.planner.layout import Layout
 from MaxText.planner.model import ModelSpec
@@ -48,6 +50,7 @@ def math_times(
     emulated = precision != "bf16" and fp8_kernels == "emulated"
     runs_at = gemm_precision(precision, fp8_kernels)
     row = "bf16" if runs_at == "bf16" else "fp8"
+    pipelined = circular.applies(spec, layout, stack)
     times = {}
     for kind, flops in spec.flops.items():
         efficiency = GEMM_EFFICIENCY[kind][row]
@@ -55,8 +58,12 @@ def math_times(
             rate = system.peak_flops("bf16") * system.attention_speedup * efficiency
         else:
             rate = system.peak_flops(runs_at) * efficiency * (stack.grouped_scale if kind == "grouped" else 1.0)
-        times[kind] = tokens * flops * extra / rate
-    times["elementwise"] = tokens * spec.act_none * ACTIVATION_BYTES * ELEMENTWISE_PASSES * extra / system.hbm_bw
+        rerun = circular.rerun_extra(spec, kind) if pipelined else 0.0
+        times[kind] = tokens * flops * (extra + rerun) / rate
+    rerun = circular.rerun_extra(spec, "dense") if pipelined else 0.0
+    times["elementwise"] = (
+        tokens * spec.act_none * ACTIVATION_BYTES * ELEMENTWISE_PASSES * (extra + rerun) / system.hbm_bw
+    )
     times["host"] = layout.microbatches * (spec.layers / layout.pp) * stack.host_s_per_layer
     if emulated:
         weights = spec.params_dense / (layout.tp * layout.pp) + spec.params_expert / layout.expert_shards

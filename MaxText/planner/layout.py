@@ -1,9 +1,8 @@
 """A parallel layout: how many ways each mesh axis splits, inside and across NVLink domains.
 
 The axes are the repository's mesh axes (``MaxText/parallel/axes.py``: data, fsdp, expert, tensor)
-plus ``stage`` for pipeline parallelism. The planner times a pipeline as Megatron-LM's interleaved
-1F1B, not as the repository's own schedule (``MaxText/parallel/pipeline.py``, whose memory
-``memory.py`` does model), so it marks pipelined layouts as not runnable here.
+plus ``stage`` for pipeline parallelism: Megatron-LM's interleaved 1F1B for Megatron's stacks, the
+repository's own schedule (``MaxText/parallel/pipeline.py``; ``circular.py``) for its own.
 Each axis has an ``ici`` part inside one NVLink domain and a ``dcn`` part across domains, as in
 ``MaxText/parallel/mesh.py``: a collective over a set of axes spans ``prod(ici)`` GPUs in each of
 ``prod(dcn)`` domains.
@@ -91,8 +90,9 @@ class Layout:
 
     @property
     def runnable(self) -> bool:
-        """The repository runs it: no pipeline, and a whole per-device batch."""
-        return self.pp == 1 and self.mbs % self.tp == 0 and self.remat in REMAT_POLICIES
+        """The repository has its remat policy and a whole per-device batch (a pipelined layout
+        also needs its stack to split: ``Estimate.not_runnable_reason``)."""
+        return self.mbs % self.tp == 0 and self.remat in REMAT_POLICIES
 
     def check(self, num_experts: int, heads: int, kv_heads: int) -> None:
         """The split rules a layout must meet before it is costed (ConfigError naming the rule)."""
@@ -130,17 +130,22 @@ class Layout:
         return " ".join(parts or ["1 GPU"]) + f" mbs {self.mbs} gbs {self.gbs} remat {self.remat}"
 
     def overlay(self) -> dict[str, int | str]:
-        """The layout as base.yml keys (runnable layouts only)."""
+        """The layout as base.yml keys (runnable layouts only). Pipelined, the micro-batches are the
+        pipeline's (one batch of ``gbs`` per step cut into them), not gradient accumulation."""
         if not self.runnable:
-            raise ConfigError(
-                "layout: the planner times pipelines as Megatron's schedule, not this repository's; no overlay to write"
-            )
+            raise ConfigError(f"layout: {self.describe()} is not one this repository runs; no overlay to write")
         keys: dict[str, int | str] = {}
         for axis in MESH_AXES:
             keys[parallelism_key("ici", axis)] = self.ici.get(axis, 1)
             keys[parallelism_key("dcn", axis)] = self.dcn.get(axis, 1)
-        keys["per_device_batch_size"] = self.mbs // self.tp
-        keys["gradient_accumulation_steps"] = self.microbatches
+        if self.pp > 1:
+            keys["per_device_batch_size"] = self.gbs // self.num_gpus
+            keys["gradient_accumulation_steps"] = 1
+            keys["num_pipeline_microbatches"] = self.microbatches
+            keys["num_pipeline_repeats"] = self.vpp
+        else:
+            keys["per_device_batch_size"] = self.mbs // self.tp
+            keys["gradient_accumulation_steps"] = self.microbatches
         keys["remat_policy"] = self.remat
         return keys
 

@@ -65,8 +65,9 @@ def render_search(result: SearchResult, count: int = 5) -> str:
         gain = p.tflops / winner.tflops - 1
         lines += [
             "",
-            f"with pipeline parallelism (not implemented here): best {p.layout.describe()}, {p.tflops:.1f} TFLOPS/GPU,"
-            f" {100 * gain:+.1f}% vs the winner, {p.memory['total'] / GB:.1f} GB",
+            f"with pipeline parallelism: best {p.layout.describe()}, {p.tflops:.1f} TFLOPS/GPU,"
+            f" {100 * gain:+.1f}% vs the winner, {p.memory['total'] / GB:.1f} GB"
+            + ("; runnable here" if p.runnable else f"; not runnable here: {p.not_runnable_reason()}"),
         ]
     lines += ["", FLOPS_NOTE]
     return "\n".join(lines)

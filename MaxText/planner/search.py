@@ -106,7 +106,7 @@ def search(
             continue
         (ranked if layout.pp == 1 else pipelined).append(est)
     ranked = _rank(ranked)
-    pipelined.sort(key=lambda e: -e.tflops)
+    pipelined.sort(key=lambda e: (not e.runnable, -e.tflops))  # what the repository runs first
     again = partial(estimate, spec, system=system, stack=stack, precision=precision, fp8_kernels=fp8_kernels)
     top = [again(layout=e.layout, exchange_buffer_factor=exchange_buffer_factor) for e in ranked[:5]]
     best_pp = again(layout=pipelined[0].layout, exchange_buffer_factor=exchange_buffer_factor) if pipelined else None
