@@ -10,6 +10,8 @@ circular pipeline instead (``parallel/pipeline.py``) with the same weights, stor
 Shape legend: B batch, S sequence, D model dim, M pipeline micro-batches.
 """
 
+from functools import partial
+
 import flax.linen as nn
 import jax
 
@@ -20,6 +22,7 @@ from MaxText.layers.mlp import SwiGLU
 from MaxText.layers.norms import RMSNorm
 from MaxText.moe.block import BIAS, LOAD, LOSS, MOE_COLLECTIONS, MoEBlock
 from MaxText.parallel.pipeline import circular_pipeline, from_stages, to_stages
+from MaxText.parallel.sharding import interleaved_join, interleaved_split
 
 ACTIVATION_AXES = ("activation_batch", "activation_length", "activation_embed")
 PIPELINE_LAYERS = "pipeline_layers"  # the logical name of the pipelined stack's layer dim (split over stage)
@@ -93,9 +96,7 @@ class LayerStack(nn.Module):
         if c.remat_policy != "none":
             one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[c.remat_policy], prevent_cse=False)
 
-        def split(a):  # [B, ...] -> [M, B / M, ...]: micro-batch i takes rows i, i + M, ...
-            return a.reshape(a.shape[0] // M, M, *a.shape[1:]).swapaxes(0, 1)
-
+        split = partial(interleaved_split, n=M)
         staged = to_stages(stack, c.pipeline_stages, c.num_pipeline_repeats)
         y_MBSD, (load, loss) = circular_pipeline(
             one_layer, staged, split(x_BSD), (split(positions_BS), split(segment_ids_BS))
@@ -104,5 +105,4 @@ class LayerStack(nn.Module):
             self.put_variable(LOAD, "layers", from_stages(load))
         if self.is_mutable_collection(LOSS):
             self.put_variable(LOSS, "layers", jax.tree.map(lambda a: a / M, from_stages(loss)))
-        y_BSD = y_MBSD.swapaxes(0, 1).reshape(x_BSD.shape)
-        return constrain(y_BSD, ACTIVATION_AXES)
+        return constrain(interleaved_join(y_MBSD), ACTIVATION_AXES)

@@ -41,6 +41,18 @@ def batch_mesh_axes() -> tuple[str, ...]:
     return without_manual_axes(PartitionSpec(nn.logical_to_mesh_axes(("activation_batch",))[0]))[0] or ()
 
 
+def interleaved_split(x: jax.Array, n: int) -> jax.Array:
+    """[B, ...] -> [n, B / n, ...], micro-batch i taking rows i, i + n, ...: each micro-batch keeps
+    the batch's split over devices (a device's rows stay its own), where contiguous slices would
+    give each micro-batch to a few devices."""
+    return x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
+
+
+def interleaved_join(x: jax.Array) -> jax.Array:
+    """The inverse of ``interleaved_split``: [n, B / n, ...] -> [B, ...]."""
+    return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
+
+
 def without_manual_axes(spec: PartitionSpec) -> PartitionSpec:
     """``spec`` less the current mesh's manual axes (inside a shard_map, such as the pipeline's
     over ``stage``, those are split by hand; a sharding constraint may not name them). Each entry

@@ -15,6 +15,7 @@ import optax
 
 from MaxText.config import Config
 from MaxText.models.deepseek import DeepSeekV3
+from MaxText.parallel.sharding import interleaved_split
 from MaxText.train.loss import LossParts, compute_loss, loss_token_counts
 from MaxText.train.optimizer import learning_rate_schedule
 from MaxText.train.state import TrainState
@@ -60,7 +61,7 @@ def correction_bias_range(bias: Any) -> Metrics:
 def split_micro_batches(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
     """[global, S] -> [n, global / n, S], micro-batch i taking rows i, i + n, ... so that each
     micro-batch keeps the batch sharding of the global batch."""
-    return {k: v.reshape(v.shape[0] // n, n, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
+    return {k: interleaved_split(v, n) for k, v in batch.items()}
 
 
 def train_step(
