@@ -400,9 +400,14 @@ def check_pipeline(c: Config) -> None:
         return
     layers = c.num_moe_layers
     divisors = [d for d in range(1, layers + 1) if layers % d == 0]
+    key = (
+        "num_pipeline_repeats"
+        if repeats > 1
+        else parallelism_key("dcn" if c.dcn_pipeline_parallelism > 1 else "ici", "stage")
+    )
     _require(
         layers > 0 and layers % (stages * repeats) == 0,
-        "ici_pipeline_parallelism",
+        key,
         f"{layers} MoE layers do not split into {stages} stages x {repeats} repeats "
         f"(stages x num_pipeline_repeats must divide {layers}: one of {divisors})",
     )
@@ -410,6 +415,12 @@ def check_pipeline(c: Config) -> None:
         c.pipeline_microbatches >= stages,
         "num_pipeline_microbatches",
         f"{c.pipeline_microbatches} micro-batches cannot fill {stages} stages: the pipeline needs at least one per stage",
+    )
+    _require(
+        c.capacity_factor == -1,
+        "capacity_factor",
+        "the token-dropping baseline is not pipelined (its capacity is per batch, the pipeline routes micro-batches); "
+        "use -1 (dropless)",
     )
 
 

@@ -146,12 +146,13 @@ BAD_INPUTS = {
     ),
     "MoE layers not splitting into the repeats": (
         ["base_num_decoder_layers=5", "dcn_pipeline_parallelism=2", "num_pipeline_repeats=3"],
-        ["ici_pipeline_parallelism", "2 stages x 3 repeats"],
+        ["num_pipeline_repeats", "2 stages x 3 repeats"],
     ),
     "fewer micro-batches than stages": (
         ["base_num_decoder_layers=5", "ici_pipeline_parallelism=4", "num_pipeline_microbatches=2"],
         ["num_pipeline_microbatches", "2 micro-batches cannot fill 4 stages"],
     ),
+    "the dropping baseline pipelined": (["ici_pipeline_parallelism=2", "capacity_factor=1.25"], ["capacity_factor"]),
 }
 
 

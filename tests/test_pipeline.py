@@ -215,8 +215,8 @@ MODEL = ("dtype=float32", "base_num_decoder_layers=9", "per_device_batch_size=2"
 
 def model_loss_and_grads(*overrides: str):
     """deepseek3-tiny (1 dense + 8 MoE layers, MTP) on one batch of 16 sequences with padding and
-    a random correction bias: the loss parts and the gradient of every parameter, on the mesh of
-    ``overrides``."""
+    a random correction bias: the loss parts, the gradient of every parameter, and whether the
+    program moves activations between stages, on the mesh of ``overrides``."""
     import flax.linen as nn
 
     from MaxText.models.deepseek import DeepSeekV3
@@ -248,8 +248,9 @@ def model_loss_and_grads(*overrides: str):
         return parts.loss, parts
 
     with jax.set_mesh(make_mesh(config)), nn.logical_axis_rules(axis_rules(config)):
-        (_, parts), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(variables["params"])
-    return parts, grads
+        lowered = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(variables["params"])
+        (_, parts), grads = lowered.compile()(variables["params"])
+    return parts, grads, "collective_permute" in lowered.as_text()  # the stage transfers: pipelined
 
 
 @pytest.fixture(scope="module")
@@ -261,8 +262,9 @@ def unpipelined():
 def test_pipelined_model_equals_the_unpipelined_model(unpipelined, overrides):
     """Loss, MTP and balance terms, every MoE layer's loads (what the bias update takes) and the
     gradient of every parameter: the pipelined model's equal the unpipelined model's."""
-    want, want_grads = unpipelined
-    got, grads = model_loss_and_grads(*overrides)
+    want, want_grads, _ = unpipelined
+    got, grads, transfers = model_loss_and_grads(*overrides)
+    assert transfers and not unpipelined[2]
     for name in ("loss", "lm_loss", "mtp_loss", "aux_loss"):
         assert_close(getattr(got, name), getattr(want, name))
     assert float(want.aux_loss) > 0

@@ -89,6 +89,11 @@ def _layout_from_config(config, num_gpus: int, remat: str, gbs: int | None):
     tp = ici[MESH_AXES.index("tensor")] * dcn[MESH_AXES.index("tensor")]
     micro = config.micro_batch_size(num_gpus)
     stages = config.pipeline_stages
+    if stages > 1 and config.gradient_accumulation_steps > 1:
+        raise ConfigError(
+            "config key 'gradient_accumulation_steps': the planner costs a pipeline over one batch per step "
+            "(each accumulated batch pays its own bubble); set it to 1 and raise per_device_batch_size"
+        )
     # Megatron's terms: a micro-batch is a pipeline micro-batch (1/M of a batch, M per step).
     microbatches = config.pipeline_microbatches if stages > 1 else 1
     return Layout(
@@ -163,7 +168,7 @@ def run(args: argparse.Namespace) -> dict:
     )
     out = est.as_dict()
     out["text"] = render_estimate(est)
-    if layout.runnable:
+    if est.runnable:
         out["winner_overlay"] = layout.overlay()
     return out
 

@@ -24,8 +24,8 @@ real, the durations on both sides are modelled. Each collective is put in one ca
 its op came from: the MoE block's expert-parallel ``shard_map`` (the expert exchange), the
 vocabulary split's ``shard_map`` (the ``routed_experts`` and ``vocab_split`` named scopes mark
 them in op names), and otherwise by kind (all-gathers: FSDP weight gathers; reduce-scatters: FSDP
-gradient scatters; all-reduces: data-parallel gradient sums and statistics; collective-permutes:
-the pipeline's stage transfers; other all-to-alls: reshards).
+gradient scatters; all-reduces: data-parallel gradient sums and statistics; the pipeline's
+``stage_transfer`` scope: its stage transfers; other all-to-alls: reshards).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from MaxText.aot.hlo_stats import (
 )
 from MaxText.layers.vocab_parallel import VOCAB_SCOPE
 from MaxText.moe.expert_parallel import WEIGHTS_SCOPE
+from MaxText.parallel.pipeline import TRANSFER_SCOPE
 from MaxText.planner.comms import exchange_link_bytes, exchange_seconds, gather_link_bytes, link_seconds
 from MaxText.planner.constants import GEMM_EFFICIENCY
 from MaxText.planner.systems import System
@@ -82,8 +83,8 @@ def category(kind: str, name: str) -> str:
         return "expert exchange"
     if VOCAB_SCOPE in name and "shard_map" in name and kind != "all-reduce":  # "jvp(vocab_split)/shard_map" too
         return "vocabulary split"
-    if kind == "collective-permute":
-        return "pipeline stage transfers"  # the only collective-permutes: parallel/pipeline.py's ppermute
+    if TRANSFER_SCOPE in name:
+        return "pipeline stage transfers"
     return {
         "all-gather": "FSDP weight gathers",
         "reduce-scatter": "FSDP gradient scatters",

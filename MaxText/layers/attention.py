@@ -20,9 +20,10 @@ import jax.numpy as jnp
 
 from MaxText.config import Config
 from MaxText.layers.attention_ops import attend
-from MaxText.layers.common import constrain, project
+from MaxText.layers.common import project
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.rotary import apply_rope
+from MaxText.parallel.sharding import constrain
 
 
 class MLA(nn.Module):

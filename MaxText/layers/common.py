@@ -12,7 +12,6 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from MaxText.config import Config
-from MaxText.parallel.sharding import constrain  # noqa: F401  (the layers' one import of it)
 from MaxText.quantization import linear, recipe_of
 
 

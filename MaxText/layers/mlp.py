@@ -7,7 +7,8 @@ import flax.linen as nn
 import jax
 
 from MaxText.config import Config
-from MaxText.layers.common import constrain, project
+from MaxText.layers.common import project
+from MaxText.parallel.sharding import constrain
 
 
 class SwiGLU(nn.Module):

@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from MaxText.layers.common import constrain, float32_or_wider
-from MaxText.parallel.sharding import batch_mesh_axes, vocabulary_group
+from MaxText.layers.common import float32_or_wider
+from MaxText.parallel.sharding import batch_mesh_axes, constrain, vocabulary_group
 
 VOCAB_SCOPE = "vocab_split"  # the named scope of the split's shard_maps (op names carry it: aot/overlap.py)
 

@@ -17,12 +17,11 @@ import jax
 
 from MaxText.config import Config
 from MaxText.layers.attention import MLA
-from MaxText.layers.common import constrain
 from MaxText.layers.mlp import SwiGLU
 from MaxText.layers.norms import RMSNorm
 from MaxText.moe.block import BIAS, LOAD, LOSS, MOE_COLLECTIONS, MoEBlock
 from MaxText.parallel.pipeline import circular_pipeline, from_stages, to_stages
-from MaxText.parallel.sharding import interleaved_join, interleaved_split
+from MaxText.parallel.sharding import constrain, interleaved_join, interleaved_split
 
 ACTIVATION_AXES = ("activation_batch", "activation_length", "activation_embed")
 PIPELINE_LAYERS = "pipeline_layers"  # the logical name of the pipelined stack's layer dim (split over stage)
@@ -62,7 +61,10 @@ class LayerStack(nn.Module):
     @nn.compact
     def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, segment_ids_BS: jax.Array) -> jax.Array:
         c = self.config
-        if self.pipeline and c.pipeline_stages > 1 and not self.is_initializing():
+        # The mesh decides: a pipelined run's weights run unpipelined where no mesh splits the
+        # stages (one device: tools/forward.py on its checkpoint).
+        stages = jax.sharding.get_abstract_mesh().shape.get("stage", 1)
+        if self.pipeline and stages > 1 and not self.is_initializing():
             return self.pipelined(x_BSD, positions_BS, segment_ids_BS)
         layer = DecoderLayer
         if c.remat_policy != "none":
@@ -97,7 +99,7 @@ class LayerStack(nn.Module):
             one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[c.remat_policy], prevent_cse=False)
 
         split = partial(interleaved_split, n=M)
-        staged = to_stages(stack, c.pipeline_stages, c.num_pipeline_repeats)
+        staged = to_stages(stack, jax.sharding.get_abstract_mesh().shape["stage"], c.num_pipeline_repeats)
         y_MBSD, (load, loss) = circular_pipeline(
             one_layer, staged, split(x_BSD), (split(positions_BS), split(segment_ids_BS))
         )

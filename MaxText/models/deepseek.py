@@ -15,11 +15,12 @@ import jax
 import jax.numpy as jnp
 
 from MaxText.config import Config
-from MaxText.layers.common import activation_dtype, constrain, kernel_init, param, weight_dtype
+from MaxText.layers.common import activation_dtype, kernel_init, param, weight_dtype
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.vocab_parallel import embed_lookup, head_logits
 from MaxText.models.decoder import ACTIVATION_AXES, LayerStack
 from MaxText.models.mtp import MTPModule
+from MaxText.parallel.sharding import constrain
 
 
 class ModelOutput(NamedTuple):

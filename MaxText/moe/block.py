@@ -21,12 +21,12 @@ import jax
 import jax.numpy as jnp
 
 from MaxText.config import Config
-from MaxText.layers.common import activation_dtype, constrain, float32_or_wider, kernel_init, param, weight_dtype
+from MaxText.layers.common import activation_dtype, float32_or_wider, kernel_init, param, weight_dtype
 from MaxText.layers.mlp import SwiGLU
 from MaxText.moe.expert_parallel import WI_AXES, WO_AXES
 from MaxText.moe.experts import routed_experts
 from MaxText.moe.router import Routing, route, sequence_balance_loss, tokens_per_expert
-from MaxText.parallel.sharding import batch_mesh_axes
+from MaxText.parallel.sharding import batch_mesh_axes, constrain
 
 # Collections written by every MoE block (see the module docstring).
 BIAS, LOAD, LOSS = "moe_bias", "moe_load", "moe_loss"

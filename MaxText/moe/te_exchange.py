@@ -60,7 +60,8 @@ def ep_context(config: Config, mesh: jax.sharding.Mesh, tokens_per_device: int, 
     from transformer_engine.jax.sharding import MeshResource, global_shard_guard
 
     outer = [a for a in batch_mesh_axes() if a != axis]
-    resource = MeshResource(fsdp_resource=outer[-1] if outer else None, ep_resource=axis)
+    split = [a for a in outer if a != "stage" and mesh.shape[a] > 1]  # the pipeline's axis is not TE's FSDP
+    resource = MeshResource(fsdp_resource=split[-1] if split else None, ep_resource=axis)
     tokens_per_rank = rank_tokens(tokens_per_device * mesh.size, mesh.shape, (*outer, axis))
     with jax.set_mesh(mesh), global_shard_guard(resource):
         ep.ep_bootstrap(

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+TRANSFER_SCOPE = "stage_transfer"  # the named scope of the stage transfers (op names carry it: aot/overlap.py)
 Params = Any
 LayerFn = Callable[[Params, jax.Array, Any], tuple[jax.Array, Any]]  # (a layer's params, x, side) -> (x, stats)
 
@@ -119,7 +120,8 @@ def circular_pipeline(
             stats = jax.tree.map(
                 lambda total, new: total.at[r].add(jnp.where(busy, new, jnp.zeros_like(new))), stats, layer_stats
             )
-            arrived = jax.lax.ppermute(y, axis, [(j, (j + 1) % stages) for j in range(stages)])
+            with jax.named_scope(TRANSFER_SCOPE):
+                arrived = jax.lax.ppermute(y, axis, [(j, (j + 1) % stages) for j in range(stages)])
             # At stage 0, ``arrived`` is the last stage's item t - (P - 1): keep it by micro-batch.
             last = t - (stages - 1)
             keep = (s == 0) & (last >= 0) & (last < M * R)

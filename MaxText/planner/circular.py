@@ -69,4 +69,8 @@ def split_problem(spec: ModelSpec, layout: Layout) -> str | None:
         return f"pipeline: {layers} MoE layers do not split into {layout.pp} stages x {layout.vpp} repeats"
     if layout.microbatches < layout.pp:
         return f"pipeline: {layout.microbatches} micro-batches cannot fill {layout.pp} stages"
+    if layout.vpp > 1:  # the [layers] storage is regathered into the circular order each step: not costed here
+        return "pipeline: repeats > 1 regather the stack's weights every step (not modelled)"
+    if layout.gbs % layout.num_gpus:
+        return f"pipeline: {layout.gbs} sequences per step are not whole sequences per GPU"
     return None

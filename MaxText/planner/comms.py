@@ -106,7 +106,10 @@ def collectives(
     tokens = layout.gbs * spec.seq_len / layout.num_gpus  # per GPU per step
     sharded = stack.state == "sharded"
     pipelined = circular.applies(spec, layout, stack)
-    passes = (circular.exchange_passes(spec) if pipelined else 5) if sharded else 6 if layout.remat == "full" else 4
+    if sharded:
+        passes = circular.exchange_passes(spec) if pipelined else circular.EXCHANGE_PASSES
+    else:
+        passes = 6 if layout.remat == "full" else 4
     grad_bytes = ACTIVATION_BYTES if sharded else GRAD_BYTES
     D, K, ep = spec.d_model, spec.top_k, layout.ep
     in_domain = layout.local(*layout.ep_axes)

@@ -4,10 +4,11 @@
     exposed  = tensor-parallel collectives                       (on the critical path)
              + the vocabulary split's token traffic              (likewise: XLA:GPU hid 25% of it)
              + dispatch x (1 - dispatch_overlap)
-             + pipeline sends x (1 - dispatch_overlap)
+             + pipeline sends x (1 - dispatch_overlap)            (this repository's: all exposed)
              + max(0, fsdp - fsdp_overlap x compute)             (gathers hide behind other layers)
     step     = (compute + exposed) x (1 + bubble) + max(0, dp - dp_overlap x compute / m) + optimizer
-    bubble   = (pp - 1) / (vpp x m)                              (interleaved 1F1B, m micro-batches)
+    bubble   = (pp - 1) / (vpp x m)                              (m micro-batches: interleaved 1F1B's and
+                                                                   this repository's, circular.py)
 
 TFLOPS/GPU are model FLOPs (Megatron's count, ``model.py``) over the step time; MFU divides by the
 precision's dense peak (bf16's for emulated FP8, whose GEMMs run in bf16). ``comm_fraction`` is

@@ -1,7 +1,7 @@
 """A parallel layout: how many ways each mesh axis splits, inside and across NVLink domains.
 
-The axes are the repository's mesh axes (``MaxText/parallel/axes.py``: data, fsdp, expert, tensor)
-plus ``stage`` for pipeline parallelism: Megatron-LM's interleaved 1F1B for Megatron's stacks, the
+The axes are the repository's mesh axes (``MaxText/parallel/axes.py``: stage, data, fsdp, expert,
+tensor); a pipeline over ``stage`` is timed as Megatron-LM's interleaved 1F1B for Megatron's stacks, the
 repository's own schedule (``MaxText/parallel/pipeline.py``; ``circular.py``) for its own.
 Each axis has an ``ici`` part inside one NVLink domain and a ``dcn`` part across domains, as in
 ``MaxText/parallel/mesh.py``: a collective over a set of axes spans ``prod(ici)`` GPUs in each of

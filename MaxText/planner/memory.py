@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+from MaxText.planner import circular
 from MaxText.planner.constants import ACTIVATION_BYTES, Stack
 from MaxText.planner.layout import MESH_AXES, Layout
 from MaxText.planner.model import ModelSpec, architecture
@@ -139,12 +140,7 @@ def activation_bytes(spec: ModelSpec, layout: Layout) -> float:
     t = layout.mbs * spec.seq_len / layout.tp
     pp, vpp = layout.pp, layout.vpp
     in_flight = 1 + (pp - 1) / (pp * vpp)  # micro-batches x stage fraction, relative to one whole model
-    if layout.remat == "none":
-        kept = spec.act_none * in_flight
-    elif layout.remat in ("minimal", "selective"):
-        kept = (spec.act_minimal if layout.remat == "minimal" else spec.act_selective) * in_flight
-    else:
-        kept = spec.d_model * spec.layers * in_flight + spec.act_layer
+    kept = kept_per_token(spec, layout.remat, spec.layers * in_flight)
     chunks = spec.config.vocab_chunks if spec.config is not None else 1  # one slice of the sequence at a time
     logits = t * spec.vocab * 4 * 2 / chunks if pp == 1 else 0.0  # the last stage holds fewer micro-batches
     return t * kept * ACTIVATION_BYTES + logits
@@ -155,7 +151,7 @@ def buffer_bytes(
 ) -> float:
     t = layout.mbs * spec.seq_len / layout.tp
     D, K = spec.d_model, spec.top_k
-    if stack.state == "sharded" and spec.config is not None and layout.pp > 1 and spec.config.mtp_num_layers:
+    if circular.applies(spec, layout, stack) and spec.config.mtp_num_layers:
         t *= layout.microbatches / layout.pp  # the MTP's MoE layer, outside the pipeline, routes the whole batch
     if stack.state == "sharded" and spec.config is not None and layout.ep > 1:
         # this repository's exchange and expert layout, as its own accounting sizes them
@@ -191,7 +187,7 @@ def memory_per_gpu(
         state = sharded_state_bytes(spec, layout)
     else:
         state = distributed_optimizer_bytes(spec, layout, precision)
-    pipelined_here = stack.state == "sharded" and layout.pp > 1 and spec.config is not None
+    pipelined_here = circular.applies(spec, layout, stack)
     parts = {
         "state": state,
         "activations": (circular_pipeline_activation_bytes if pipelined_here else activation_bytes)(spec, layout),

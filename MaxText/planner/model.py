@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from MaxText.config import Config
+from MaxText.parallel.axes import MESH_AXES, parallelism_key
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,9 @@ _RUN_KEYS = {
     "per_device_batch_size": 1,
     "gradient_accumulation_steps": 1,
     "remat_policy": "full",
-    **{f"{kind}_{axis}_parallelism": 1 for kind in ("ici", "dcn") for axis in ("data", "fsdp", "expert", "tensor")},
+    **{parallelism_key(kind, axis): 1 for kind in ("ici", "dcn") for axis in MESH_AXES},
+    "num_pipeline_microbatches": -1,
+    "num_pipeline_repeats": 1,
 }
 
 

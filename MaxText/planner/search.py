@@ -25,7 +25,7 @@ from MaxText.planner.systems import System
 
 PER_DEVICE_BATCHES = (1, 2, 4, 8)
 SEARCH_REMAT = ("full", "minimal")
-PIPELINE_REMAT = (*SEARCH_REMAT, "selective")  # pipelined layouts are modelled only: Megatron's policy too
+PIPELINE_REMAT = (*SEARCH_REMAT, "selective")  # Megatron's policy too, for its stacks' pipelines
 PIPELINE_DEGREES = (2, 4, 8)
 VIRTUAL_STAGES = (1, 4)
 
