@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError
 
-from MaxText.parallel.axes import MESH_AXES, parallelism_key
+from MaxText.parallel.axes import MESH_AXES, STAGE_AXIS, parallelism_key
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 BASE_YML = CONFIG_DIR / "base.yml"
@@ -252,10 +252,14 @@ class Config(BaseModel):
         """Sequences in one micro-batch over all devices."""
         return self.per_device_batch_size * num_devices
 
+    def tokens_per_device(self, num_devices: int) -> int:
+        """A device's share of the tokens of one micro-batch."""
+        return self.micro_batch_size(num_devices) * self.max_target_length // num_devices
+
     def routed_tokens_per_device(self, num_devices: int) -> int:
         """Tokens one MoE layer of the stack routes per device: a device's share of a batch, or
         pipelined, of a pipeline micro-batch (1/M of the batch over the 1/p of the devices of a stage)."""
-        tokens = self.micro_batch_size(num_devices) * self.max_target_length // num_devices
+        tokens = self.tokens_per_device(num_devices)
         if self.pipeline_stages == 1:
             return tokens
         return tokens * self.pipeline_stages // self.pipeline_microbatches
@@ -403,7 +407,7 @@ def check_pipeline(c: Config) -> None:
     key = (
         "num_pipeline_repeats"
         if repeats > 1
-        else parallelism_key("dcn" if c.dcn_pipeline_parallelism > 1 else "ici", "stage")
+        else parallelism_key("dcn" if c.dcn_pipeline_parallelism > 1 else "ici", STAGE_AXIS)
     )
     _require(
         layers > 0 and layers % (stages * repeats) == 0,

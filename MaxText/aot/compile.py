@@ -189,7 +189,7 @@ def expected_step_flops(config: Config, tokens: int) -> dict[str, float]:
     routed = counts.main["routed_experts"] * remat
     if config.pipeline_stages > 1:
         stages, repeats, m = config.pipeline_stages, config.num_pipeline_repeats, config.pipeline_microbatches
-        bubble = (repeats * m + stages - 1) / (repeats * m)
+        bubble = 1 / (1 - bubble_fraction(stages, repeats, m))  # all iterations over the useful ones
         layer_share = config.num_moe_layers / max(config.base_num_decoder_layers, 1)
         parts = counts.main
         stack = 6 * (parts["attention"] * layer_share + parts["router"] + parts["shared_experts"])
@@ -262,7 +262,7 @@ def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget |
     batch = abstract_batch(config, mesh)
     state_shardings = jax.tree.map(lambda leaf: leaf.sharding, state)
     step = jit_train_step(model, config, optimizer, state_shardings, batch_sharding(mesh, config))
-    tokens_per_device = config.micro_batch_size(len(devices)) * config.max_target_length // len(devices)
+    tokens_per_device = config.tokens_per_device(len(devices))
     routed_per_device = config.routed_tokens_per_device(len(devices))
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)), moe_context(config, mesh, tokens_per_device):
         ep = mesh.shape[axis] if (axis := expert_axis()) else 1

@@ -20,6 +20,7 @@ from MaxText.layers.attention import MLA
 from MaxText.layers.mlp import SwiGLU
 from MaxText.layers.norms import RMSNorm
 from MaxText.moe.block import BIAS, LOAD, LOSS, MOE_COLLECTIONS, MoEBlock
+from MaxText.parallel.axes import STAGE_AXIS
 from MaxText.parallel.pipeline import circular_pipeline, from_stages, to_stages
 from MaxText.parallel.sharding import constrain, interleaved_join, interleaved_split
 
@@ -63,9 +64,9 @@ class LayerStack(nn.Module):
         c = self.config
         # The mesh decides: a pipelined run's weights run unpipelined where no mesh splits the
         # stages (one device: tools/forward.py on its checkpoint).
-        stages = jax.sharding.get_abstract_mesh().shape.get("stage", 1)
+        stages = jax.sharding.get_abstract_mesh().shape.get(STAGE_AXIS, 1)
         if self.pipeline and stages > 1 and not self.is_initializing():
-            return self.pipelined(x_BSD, positions_BS, segment_ids_BS)
+            return self.pipelined(stages, x_BSD, positions_BS, segment_ids_BS)
         layer = DecoderLayer
         if c.remat_policy != "none":
             layer = nn.remat(layer, policy=REMAT_POLICIES[c.remat_policy], prevent_cse=False)
@@ -80,8 +81,8 @@ class LayerStack(nn.Module):
         x_BSD, _ = stacked(c, self.use_moe, name="layers")(x_BSD, positions_BS, segment_ids_BS)
         return x_BSD
 
-    def pipelined(self, x_BSD: jax.Array, positions_BS: jax.Array, segment_ids_BS: jax.Array) -> jax.Array:
-        """The scan's layers through ``circular_pipeline`` on M micro-batches (rows i, i + M, ...
+    def pipelined(self, stages: int, x_BSD: jax.Array, positions_BS: jax.Array, segment_ids_BS: jax.Array) -> jax.Array:
+        """The scan's layers through ``circular_pipeline`` over ``stages`` on M micro-batches (rows i, i + M, ...
         of the batch, so each keeps the batch's split); the MoE loads summed and the balance loss
         averaged over them, as one batch would give (equal micro-batches: it is a mean over
         sequences). Each layer is the scan's layer applied to its slice of the stacked variables."""
@@ -99,7 +100,7 @@ class LayerStack(nn.Module):
             one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[c.remat_policy], prevent_cse=False)
 
         split = partial(interleaved_split, n=M)
-        staged = to_stages(stack, jax.sharding.get_abstract_mesh().shape["stage"], c.num_pipeline_repeats)
+        staged = to_stages(stack, stages, c.num_pipeline_repeats)
         y_MBSD, (load, loss) = circular_pipeline(
             one_layer, staged, split(x_BSD), (split(positions_BS), split(segment_ids_BS))
         )

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from MaxText.config import Config
 from MaxText.moe.dispatch import BlockLayout
+from MaxText.parallel.axes import STAGE_AXIS
 from MaxText.parallel.sharding import batch_mesh_axes
 
 ALIGN_ROWS = 128  # TE pads each expert's received group to this many rows (its grouped-GEMM tile)
@@ -59,9 +60,8 @@ def ep_context(config: Config, mesh: jax.sharding.Mesh, tokens_per_device: int, 
     from transformer_engine.jax import ep
     from transformer_engine.jax.sharding import MeshResource, global_shard_guard
 
-    outer = [a for a in batch_mesh_axes() if a != axis]
-    split = [a for a in outer if a != "stage" and mesh.shape[a] > 1]  # the pipeline's axis is not TE's FSDP
-    resource = MeshResource(fsdp_resource=split[-1] if split else None, ep_resource=axis)
+    outer = [a for a in batch_mesh_axes() if a not in (axis, STAGE_AXIS)]  # the pipeline's axis is not TE's FSDP
+    resource = MeshResource(fsdp_resource=outer[-1] if outer else None, ep_resource=axis)
     tokens_per_rank = rank_tokens(tokens_per_device * mesh.size, mesh.shape, (*outer, axis))
     with jax.set_mesh(mesh), global_shard_guard(resource):
         ep.ep_bootstrap(

@@ -6,10 +6,11 @@ axis (``parallel/pipeline.py``); it comes first, so that its dcn part is the out
 devices: stages across racks, the expert exchange inside one.
 """
 
-MESH_AXES: tuple[str, ...] = ("stage", "data", "fsdp", "expert", "tensor")
+STAGE_AXIS = "stage"
+MESH_AXES: tuple[str, ...] = (STAGE_AXIS, "data", "fsdp", "expert", "tensor")
 
 # The config keys ``ici_<name>_parallelism`` / ``dcn_<name>_parallelism`` of each axis.
-_KEY_NAMES = {"stage": "pipeline"}
+_KEY_NAMES = {STAGE_AXIS: "pipeline"}
 
 
 def parallelism_key(kind: str, axis: str) -> str:

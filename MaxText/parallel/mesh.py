@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from MaxText.config import Config, ConfigError
-from MaxText.parallel.axes import MESH_AXES
+from MaxText.parallel.axes import MESH_AXES, STAGE_AXIS
 
 
 def _fill(values: list[int], total: int, kind: str) -> list[int]:
@@ -43,10 +43,10 @@ def mesh_shape(config: Config, num_devices: int) -> tuple[list[int], list[int]]:
         raise ConfigError(
             f"config key 'ici_expert_parallelism': num_experts ({config.num_experts}) is not divisible by expert parallelism ({ways['expert']})"
         )
-    if ways["stage"] > 1:
+    if ways[STAGE_AXIS] > 1:
         # Inside a stage, a micro-batch's rows are split over the stage's devices but tensor.
         rows, microbatches = config.micro_batch_size(num_devices), config.pipeline_microbatches
-        split = num_devices // (ways["stage"] * ways["tensor"])
+        split = num_devices // (ways[STAGE_AXIS] * ways["tensor"])
         if rows % (microbatches * split):
             raise ConfigError(
                 f"config key 'num_pipeline_microbatches': {rows} sequences per batch do not cut into {microbatches} "

@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from MaxText.parallel.axes import STAGE_AXIS
+
 TRANSFER_SCOPE = "stage_transfer"  # the named scope of the stage transfers (op names carry it: aot/overlap.py)
 Params = Any
 LayerFn = Callable[[Params, jax.Array, Any], tuple[jax.Array, Any]]  # (a layer's params, x, side) -> (x, stats)
@@ -69,7 +71,7 @@ def circular_pipeline(
     staged: Params,
     x_MB: jax.Array,
     side_MB: Any = None,
-    axis: str = "stage",
+    axis: str = STAGE_AXIS,
     fill: float = 0.0,
 ) -> tuple[jax.Array, Any]:
     """Every micro-batch of ``x_MB`` [M, B, ...] through all the layers of ``staged`` (leaves
