@@ -51,6 +51,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="how FP8 GEMMs run: this repository's emulation (the default), or fused FP8 kernels as published",
     )
     p.add_argument("--stack", choices=sorted(STACKS), default=DEFAULT_STACK, help="software stack to model")
+    p.add_argument(
+        "--exchange",
+        choices=("all_to_all", "allgather", "hierarchical"),
+        help="cost the stack with another expert exchange (what if; default: the stack's, or allgather as the config says)",
+    )
     p.add_argument("--arch", choices=ARCHS, help="a model the config cannot express (the planner's own description)")
     p.add_argument("--seq", type=int, default=4096, help="sequence length of an --arch model")
     p.add_argument("--tp", type=int, help="Megatron-style layout: tensor parallelism")
@@ -109,7 +114,7 @@ def _layout_from_config(config, num_gpus: int, remat: str, gbs: int | None):
 def run(args: argparse.Namespace) -> dict:
     from dataclasses import replace
 
-    from MaxText.planner.calibration import run_all
+    from MaxText.planner.calibration import held_out_points, ladder, run_all
     from MaxText.planner.estimate import estimate
     from MaxText.planner.layout import megatron
     from MaxText.planner.model import from_config, qwen3_235b
@@ -118,13 +123,14 @@ def run(args: argparse.Namespace) -> dict:
 
     if args.calibrate:
         rows = run_all()
-        return {"calibration": rows, "text": render_calibration(rows)}
+        ladders = {p.name: ladder(p) for p in held_out_points()}
+        return {"calibration": rows, "held_out_ladders": ladders, "text": render_calibration(rows, ladders)}
 
     config = load_config(["run_name=plan", *args.config]).with_platform("gpu")
     spec = qwen3_235b(args.seq) if args.arch else from_config(config)
     system, stack = SYSTEMS[args.system], STACKS[args.stack]
-    if config.moe_ep_comm == "allgather":
-        stack = replace(stack, exchange="allgather")
+    if args.exchange or config.moe_ep_comm == "allgather":
+        stack = replace(stack, exchange=args.exchange or "allgather")
     remat = args.remat or config.remat_policy
     gbs = args.gbs or config.global_batch_size(args.gpus)
     named = any("_parallelism" in a for a in args.config if "=" in a) or any(

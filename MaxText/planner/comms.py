@@ -8,7 +8,10 @@ bandwidth terms of the standard algorithms (latency terms are negligible at thes
   share through its own NIC); all-reduce is twice that.
 - dispatch/combine (all-to-all, balanced routing): each token copy goes to a uniformly random EP
   rank: ``(l-1)/ep`` of the bytes stay in the domain, ``(ep-l)/ep`` cross the network; the two run
-  concurrently. The ``allgather`` exchange instead gathers every token on every EP rank.
+  concurrently. The ``allgather`` exchange instead gathers every token on every EP rank. The
+  ``hierarchical`` exchange (DeepEP, HybridEP) sends a token once to each remote domain holding one
+  of its experts and forwards it over NVLink there: network bytes per token are the distinct remote
+  domains it reaches, which node-limited routing bounds (``routing.py``).
 - pipeline sends: each micro-batch crosses each virtual stage boundary forward and backward.
 - tensor parallelism (sequence parallel): an all-gather before and a reduce-scatter after attention
   and each FFN, forward and backward (experts spread over the tensor ranks skip the FFN pair).
@@ -26,7 +29,9 @@ whatever ``remat_policy`` says, and XLA reruns only the dispatch, the rerun comb
 unused: 5 (XLA:GPU's compile of the 671B has 5 x 58 + 4 ragged-all-to-alls, with full and with
 minimal remat). With FP8 dispatch (``dispatch_bytes``: a stack whose exchange carries it, this
 repository's ``quantization``) the forward dispatch and its rerun move FP8 values and scales
-(``quantization/dispatch.py``: 1 + 1/32 bytes per element for MX), the other three bf16. Sharded state (FSDP) gathers the
+(``quantization/dispatch.py``: 1 + 1/32 bytes per element for MX), the other three bf16.
+DeepSeek's own stack (4 passes, no MoE recompute) sends the forward dispatch and the backward's
+gradient dispatch in FP8 (1x128 tiles with a float32 scale: 1 + 4/128 bytes), both combines bf16. Sharded state (FSDP) gathers the
 weights forward and backward and scatters the gradients on every micro-batch; Megatron's
 distributed optimizer does so once per step. Gathers move bf16 weights. Megatron reduces fp32
 main gradients; the sharded step reduces the gradients of its bf16 weight copies in bf16 (the
@@ -38,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from MaxText.planner import circular
+from MaxText.planner import circular, routing
 from MaxText.planner.constants import ACTIVATION_BYTES, COLLECTIVE_EFFICIENCY, Stack
 from MaxText.planner.layout import MESH_AXES, Layout
 from MaxText.planner.model import ModelSpec
@@ -67,6 +72,18 @@ def exchange_link_bytes(sent: float, local: int, group: int) -> tuple[float, flo
     """(NVLink, network) bytes of an all-to-all sending ``sent`` bytes spread evenly over ``group``
     GPUs, ``local`` of them in this GPU's domain (its own share stays put)."""
     return sent * (local - 1) / group, sent * (group - local) / group
+
+
+def hierarchical_link_bytes(token_bytes: float, spec: ModelSpec, local: int, group: int) -> tuple[float, float]:
+    """(NVLink, network) bytes of a hierarchical exchange of tokens worth ``token_bytes`` (one copy
+    each) whose ``K`` copies go to a group of ``group`` GPUs, ``local`` per domain: one copy per
+    distinct remote domain crosses the network (``routing.remote_domains``); NVLink carries the
+    copies for the other GPUs of the token's own domain and forwards, in each remote domain, the
+    copies that are not for the GPU that received the token."""
+    K, domains = spec.top_k, group // local
+    far = routing.remote_domains(spec.num_experts, K, spec.routing_groups, spec.top_groups, domains, spec.score_func)
+    near = K * (local - 1) / group + K * (group - local) / group * (local - 1) / local
+    return token_bytes * near, token_bytes * far
 
 
 def link_seconds(nvl: float, net: float, system: System, efficiency: float = COLLECTIVE_EFFICIENCY) -> float:
@@ -114,13 +131,19 @@ def collectives(
     D, K, ep = spec.d_model, spec.top_k, layout.ep
     in_domain = layout.local(*layout.ep_axes)
     eff = stack.dispatch_efficiency
-    fp8_passes = 2 if dispatch_bytes and sharded else 0  # the forward dispatch and its rerun
+    # in FP8: the forward dispatch and its rerun (sharded), or the forward dispatch and the backward's
+    # dispatch of gradients (DeepSeek's: the combine and its backward stay bf16)
+    fp8_passes = 2 if dispatch_bytes else 0
     exchanged = ACTIVATION_BYTES * (passes - fp8_passes) + (dispatch_bytes or 0.0) * fp8_passes  # bytes x passes
     if ep > 1:
         if stack.exchange == "allgather":
             B = tokens * spec.moe_layers * ep * D * exchanged  # whole gathered token set, every pass
             nvl, net, _ = _gather(B, layout, layout.ep_axes, system, 1)
             seconds = link_seconds(nvl, net, system, eff)
+        elif stack.exchange == "hierarchical":
+            sent = tokens * spec.moe_layers * K * D * exchanged
+            nvl, net = hierarchical_link_bytes(sent / K, spec, in_domain, ep)
+            seconds = exchange_seconds(nvl, net, system, eff)
         else:
             sent = tokens * spec.moe_layers * K * D * exchanged
             nvl, net = exchange_link_bytes(sent, in_domain, ep)

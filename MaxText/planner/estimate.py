@@ -3,8 +3,9 @@
     compute  = GEMMs + elementwise + host                       (compute.py)
     exposed  = tensor-parallel collectives                       (on the critical path)
              + the vocabulary split's token traffic              (likewise: XLA:GPU hid 25% of it)
-             + dispatch x (1 - dispatch_overlap)
-             + pipeline sends x (1 - dispatch_overlap)            (this repository's: all exposed)
+             + dispatch x (1 - dispatch_overlap)                 } less what exchange_compute_overlap x
+             + pipeline sends x (1 - dispatch_overlap)            } compute hides (DualPipe's schedule);
+                                                                    this repository's sends: all exposed
              + max(0, fsdp - fsdp_overlap x compute)             (gathers hide behind other layers)
     step     = (compute + exposed) x (1 + bubble) + max(0, dp - dp_overlap x compute / m) + optimizer
     bubble   = (pp - 1) / (vpp x m)                              (m micro-batches: interleaved 1F1B's and
@@ -32,15 +33,24 @@ from MaxText.planner.model import ModelSpec
 from MaxText.planner.systems import System
 
 OCP_MX_BLOCK = 32  # the MX block of a model without a config (the OCP specification's)
+DEEPSEEK_TILE = 128  # DeepSeek-V3's activation quantization tile (1 x 128 elements, one float32 scale)
 
 
-def mx_dispatch_bytes(spec: ModelSpec) -> float:
-    """Bytes per element this repository's MX dispatch moves (``quantization/dispatch.py``)."""
+def fp8_dispatch_bytes(spec: ModelSpec, stack: Stack, precision: str) -> float | None:
+    """Bytes per element of a stack's FP8 dispatch at ``precision`` (None: bf16): the
+    repository's recipes (``quantization/dispatch.py``), ``fp8`` as its ``fp8_blockwise`` (1 x 128
+    tiles with a float32 scale, DeepSeek-V3's own), ``mxfp8`` as MX."""
+    if not stack.fp8_dispatch or precision == "bf16":
+        return None
     from MaxText.quantization.dispatch import dispatch_bytes_per_element
     from MaxText.quantization.quantize import Recipe
 
-    block = spec.config.mxfp8_block if spec.config is not None else OCP_MX_BLOCK
-    return dispatch_bytes_per_element(Recipe("mxfp8", block), ACTIVATION_BYTES)
+    c = spec.config
+    if precision == "fp8":
+        recipe = Recipe("fp8_blockwise", c.fp8_block if c is not None else DEEPSEEK_TILE)
+    else:
+        recipe = Recipe("mxfp8", c.mxfp8_block if c is not None else OCP_MX_BLOCK)
+    return dispatch_bytes_per_element(recipe, ACTIVATION_BYTES)
 
 
 @dataclass(frozen=True)
@@ -154,18 +164,21 @@ def _time(
 ):
     math = math_times(spec, layout, system, stack, precision, fp8_kernels)
     compute = sum(math.values())
-    fp8_dispatch = precision == "mxfp8" and stack.fp8_dispatch
-    comms = collectives(spec, layout, system, stack, mx_dispatch_bytes(spec) if fp8_dispatch else None)
+    comms = collectives(spec, layout, system, stack, fp8_dispatch_bytes(spec, stack, precision))
     by_kind = {
         k: sum(c.seconds for c in comms if c.kind == k)
         for k in ("dispatch", "tensor", "vocab", "fsdp", "dp", "pipeline")
     }
     m = layout.microbatches
+    # this repository's stage transfers are asynchronous but not yet overlapped (docs/pipeline.md)
+    sends = by_kind["pipeline"] * (1 if circular.applies(spec, layout, stack) else 1 - stack.dispatch_overlap)
+    dispatch = by_kind["dispatch"] * (1 - stack.dispatch_overlap)
+    hidden = min(dispatch + sends, stack.exchange_compute_overlap * compute)  # under another chunk's math
+    share = 1 - hidden / (dispatch + sends) if dispatch + sends else 0.0
     exposed = {
-        "dispatch": by_kind["dispatch"] * (1 - stack.dispatch_overlap),
+        "dispatch": dispatch * share,
         "tensor": by_kind["tensor"] + by_kind["vocab"],
-        # this repository's stage transfers are asynchronous but not yet overlapped (docs/pipeline.md)
-        "pipeline": by_kind["pipeline"] * (1 if circular.applies(spec, layout, stack) else 1 - stack.dispatch_overlap),
+        "pipeline": sends * share,
         "fsdp": max(0.0, by_kind["fsdp"] - stack.fsdp_overlap * compute),
         "dp": max(0.0, by_kind["dp"] - stack.dp_overlap * compute / m),
         "optimizer": optimizer_time(state_bytes, system),

@@ -51,6 +51,9 @@ class ModelSpec:
     # elements per token entering or leaving the linear GEMMs FP8 quantizes (each GEMM's K + N:
     # MLA projections, MLPs, shared and routed experts; 0 where not counted)
     fp8_gemm_io: int = 0
+    routing_groups: int = 1  # group-limited routing: experts in this many equal groups (routing.py)
+    top_groups: int = 1  # a token's experts come from this many of them
+    score_func: str = "softmax"  # the router's scores (the group mask sums them)
     config: Config | None = None  # set for the repository's own models (exact sharding rules)
 
     @property
@@ -151,6 +154,9 @@ def from_config(config: Config) -> ModelSpec:
         act_selective=moe_layers * (attn_sel + moe_sel) + dense_layers * (attn_sel + dense_sel),
         act_layer=attn_none + max(moe_none, dense_none if dense_layers else 0),
         fp8_gemm_io=moe_layers * (attn_io + moe_io) + dense_layers * (attn_io + dense_io),
+        routing_groups=c.n_routing_groups,
+        top_groups=c.topk_routing_group if c.n_routing_groups > 1 else 1,
+        score_func=c.routed_score_func,
         config=c,
     )
 

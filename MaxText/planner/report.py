@@ -73,15 +73,20 @@ def render_search(result: SearchResult, count: int = 5) -> str:
     return "\n".join(lines)
 
 
-def render_calibration(rows: list[dict]) -> str:
+def render_calibration(rows: list[dict], ladders: dict[str, list[tuple[str, float, float]]] | None = None) -> str:
     lines = [
         "| point | published | predicted | error | dominant | comm. share of kernel time |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
         fmt = "{:.2f}" if r["metric"] == "scaling_efficiency" else "{:,.0f}"
+        name = f"held out: {r['name']}" if r["held_out"] else r["name"]
         lines.append(
-            f"| {r['name']} | {fmt.format(r['published'])} | {fmt.format(r['predicted'])} | {100 * r['error']:+.1f}% "
+            f"| {name} | {fmt.format(r['published'])} | {fmt.format(r['predicted'])} | {100 * r['error']:+.1f}% "
             f"| {r['dominant']} | {100 * r['comm_fraction']:.0f}% |"
         )
+    for name, steps in (ladders or {}).items():
+        lines += ["", f"held out, {name}: from the exchange the fit assumed to the run's own", ""]
+        lines += ["| step | predicted | error |", "|---|---|---|"]
+        lines += [f"| {step} | {value:,.0f} | {100 * error:+.1f}% |" for step, value, error in steps]
     return "\n".join(lines)
