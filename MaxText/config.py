@@ -93,6 +93,16 @@ class Config(BaseModel):
     per_device_batch_size: Count
     max_target_length: Annotated[int, Field(ge=2)]  # inputs and targets are shifted by one
     gradient_accumulation_steps: Count
+    # training health and observability
+    max_consecutive_skipped_steps: Count
+    loss_spike_rollback: bool
+    loss_spike_factor: Annotated[float, Field(gt=1)]
+    loss_spike_window: Count
+    spike_skip_batches: NonNegative
+    max_rollbacks: NonNegative
+    profiler: Literal["none", "xplane"]
+    profile_start_step: Count
+    profile_steps: Count
     # optimizer
     learning_rate: NonNegativeFloat
     warmup_steps: NonNegative
@@ -304,6 +314,8 @@ def check_rules(c: Config) -> None:
     key's range is in its annotation in ``Config``.)"""
     if c.dataset_type == "synthetic":  # other types check vocab_size against their tokenizer
         _require(c.vocab_size >= c.synthetic_vocab_size, "synthetic_vocab_size", "must not exceed vocab_size")
+    if c.loss_spike_rollback:
+        _require(c.enable_checkpointing, "loss_spike_rollback", "needs enable_checkpointing (it rolls back to one)")
     _require(
         c.first_num_dense_layers <= c.base_num_decoder_layers,
         "first_num_dense_layers",

@@ -37,6 +37,7 @@ SLOW_FILES_FIRST = (
     "test_expert_parallel.py",
     "test_train_parts.py",
     "test_data_train.py",
+    "test_health.py",
     "test_resume.py",
     "test_aot_compile.py",
     "test_checkpointing.py",

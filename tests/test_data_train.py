@@ -6,7 +6,6 @@ persistent cache, which changes no result and saves most of its time). That a di
 gives different batches is checked on the pipeline alone, in test_data_pipeline.py.
 """
 
-import json
 import shutil
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from MaxText.train.metrics import read_metrics, step_records
 from tests.conftest import cpu_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,8 +63,7 @@ def runs(tmp_path_factory, jax_cache) -> list[list[dict]]:
             ],
             env,
         )
-        lines = (work / "runs" / name / "metrics.jsonl").read_text().splitlines()
-        records.append([json.loads(line) for line in lines])
+        records.append(step_records(read_metrics(work / "runs" / name)))
     return records
 
 

@@ -26,6 +26,7 @@ from MaxText.hf.convert import convert  # noqa: E402
 from MaxText.hf.export import export  # noqa: E402
 from MaxText.hf.safetensors_io import SafetensorsFolder, write_safetensors  # noqa: E402
 from MaxText.hf.weights import abstract_variables, hf_table, leaves, to_hf  # noqa: E402
+from MaxText.train.metrics import read_metrics, step_records  # noqa: E402
 from tests.conftest import cpu_env  # noqa: E402
 from tools.forward import forward_logits  # noqa: E402
 
@@ -414,7 +415,7 @@ def test_training_continues_from_a_converted_checkpoint_and_exports_back(hf_mode
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert f"parameters loaded from {converted}" in result.stdout
-    records = [json.loads(line) for line in (tmp_path / "finetune" / "metrics.jsonl").read_text().splitlines()]
+    records = step_records(read_metrics(tmp_path / "finetune"))
     assert [r["step"] for r in records] == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in records)
 
     trained = tmp_path / "finetune" / "checkpoints" / "3"

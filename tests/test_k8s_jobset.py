@@ -26,6 +26,8 @@ import pytest
 import yaml
 from cluster.scaled_down import STEPS, TINY_ON_TWO_CPUS
 
+from MaxText.train.metrics import read_metrics, step_records
+
 REPO = Path(__file__).resolve().parents[1]
 MANIFEST = REPO / "recipes" / "k8s" / "deepseek3-671b-gb300-nvl72.yaml"
 JOB_INDEX_ANNOTATION = "metadata.annotations['jobset.sigs.k8s.io/job-index']"
@@ -120,7 +122,7 @@ def test_pods_form_one_jax_job(pods_run):
     config = yaml.safe_load((run_dir / "config.yml").read_text())
     assert (config["runtime"]["num_processes"], config["runtime"]["num_devices"]) == (RACKS * PODS_PER_RACK, 2)
     assert (config["model_name"], config["hardware"]) == ("deepseek3-tiny", "cpu")
-    steps = [yaml.safe_load(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [record["step"] for record in step_records(read_metrics(run_dir))]
     assert steps == list(range(1, STEPS + 1))
     # Only process 0 reports: the pod of rack 0, index 0 (JAX_PROCESS_ID = 0), and no other.
     assert ["final loss" in log for log in logs] == [True] + [False] * (len(logs) - 1)

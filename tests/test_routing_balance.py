@@ -5,7 +5,6 @@ Before the tiny overlay's balancing defaults, every MoE layer sent all its token
 experts by step 10 and the load ratio stayed at 3.2-3.7 through steps 40-60.
 """
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 
 from MaxText.config import load_config
+from MaxText.train.metrics import read_metrics, step_records
 from MaxText.train.optimizer import make_optimizer
 from tests.conftest import cpu_env
 
@@ -41,7 +41,7 @@ def default_run(tmp_path_factory, jax_cache) -> list[dict]:
     ]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    return [json.loads(line) for line in (output / "default" / "metrics.jsonl").read_text().splitlines()]
+    return step_records(read_metrics(output / "default"))
 
 
 def test_default_run_keeps_expert_loads_even(default_run):

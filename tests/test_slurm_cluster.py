@@ -24,7 +24,6 @@ a two-process run are exercised in tests/test_train.py (they once crashed gloo, 
 a background thread started Orbax's save, whose collectives crossed the next step's).
 """
 
-import json
 import re
 import sys
 import time
@@ -35,6 +34,7 @@ import yaml
 from cluster.local_slurm import LocalSlurm, install_reason_to_skip
 from cluster.scaled_down import SMOKE_STEPS, TINY_ON_TWO_CPUS, image_xla_flags
 
+from MaxText.train.metrics import read_metrics, step_records
 from tests.conftest import cpu_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,8 +81,7 @@ def finish(cluster: LocalSlurm, job_id: str, output_dir: Path) -> str:
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return step_records(read_metrics(run_dir)) if (run_dir / "metrics.jsonl").exists() else []
 
 
 def losses(run_dir: Path) -> dict[int, float]:

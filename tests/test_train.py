@@ -6,7 +6,6 @@ follow the output contract, and sharded, multi-process and gradient-accumulated 
 same global batch must reproduce its losses.
 """
 
-import json
 import socket
 import subprocess
 import sys
@@ -16,7 +15,8 @@ import numpy as np
 import pytest
 import yaml
 
-from MaxText.train.metrics import METRIC_FIELDS
+from MaxText.train import metrics
+from MaxText.train.metrics import METRIC_FIELDS, step_records
 from tests.conftest import cpu_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,7 +52,8 @@ def run(jax_cache: Path, output: Path, devices: int, *args: str) -> list[dict]:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The logged steps (the goodput record at the end left out)."""
+    return step_records(metrics.read_metrics(run_dir))
 
 
 def losses(records: list[dict]) -> list[float]:

@@ -95,7 +95,8 @@ def read_metrics(path: Path) -> list[dict]:
     """The logged training steps of a run's metrics.jsonl (none if it does not exist)."""
     if not path.exists():
         return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r and "step" in r]
+    records = map(json.loads, path.read_text().splitlines())
+    return [r for r in records if "loss" in r and "step" in r and "event" not in r]  # events: a rollback, goodput
 
 
 def run_name(args: argparse.Namespace, name: str, seed: int) -> str:

@@ -61,7 +61,7 @@ train() {  # train NAME CONFIG...: a run on synthetic data, its last metrics lin
   $PY -m MaxText.train run_name="$name" base_output_directory="$RUNS" enable_tensorboard=false \
     dataset_type=synthetic "$@" || return
   cp "$RUNS/$name/metrics.jsonl" "$OUT/$name.jsonl"
-  tail -n 1 "$OUT/$name.jsonl"
+  grep -v '"event"' "$OUT/$name.jsonl" | tail -n 1
 }
 
 bench_moe() {  # default: one GPU's share of a DeepSeek-V3 MoE layer, 32 of its experts, D 7168, F 2048, top-8

@@ -87,8 +87,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def _layout_from_config(config, num_gpus: int, remat: str, gbs: int | None):
+    from MaxText.parallel.axes import MESH_AXES
     from MaxText.parallel.mesh import mesh_shape
-    from MaxText.planner.layout import MESH_AXES, Layout
+    from MaxText.planner.layout import Layout
 
     dcn, ici = mesh_shape(config, num_gpus)
     tp = ici[MESH_AXES.index("tensor")] * dcn[MESH_AXES.index("tensor")]

@@ -29,7 +29,6 @@ from collections.abc import Callable
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from MaxText.aot.hlo_stats import hlo_stats
@@ -49,10 +48,10 @@ from MaxText.parallel.platform import compiling_for
 from MaxText.parallel.sharding import axis_rules, batch_sharding
 from MaxText.quantization.quantize import check_quantization
 from MaxText.train.optimizer import make_optimizer
+from MaxText.train.preflight import abstract_batch, compiled_memory
 from MaxText.train.state import abstract_train_state
 from MaxText.train.step import jit_train_step
 
-BATCH_KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
 # XLA:CPU cannot run these; compile the nearest CPU-legal choice instead.
 CPU_BACKEND = {"te": "blocked", "ragged_dot": "blocked"}
 CPU_EXCHANGE = {"te": "all_to_all", "ragged_all_to_all": "all_to_all"}
@@ -134,12 +133,6 @@ def for_gpu_compile(config: Config) -> tuple[Config, Choices]:
             )
     _, choice = _resolved(config, "gpu")
     return _with_choices(config, choice), choice
-
-
-def abstract_batch(config: Config, mesh) -> dict[str, jax.ShapeDtypeStruct]:
-    rows = config.global_batch_size(mesh.size)
-    sharding = batch_sharding(mesh, config)
-    return {k: jax.ShapeDtypeStruct((rows, config.max_target_length), jnp.int32, sharding=sharding) for k in BATCH_KEYS}
 
 
 def attention_factors(config: Config) -> tuple[float, float]:
@@ -271,15 +264,7 @@ def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget |
         t1 = time.perf_counter()
         compiled = lowered.compile()  # custom partitioning (cuDNN attention) calls back into Python here
         t2 = time.perf_counter()
-    mem = compiled.memory_analysis()
-    memory = {
-        "arguments": mem.argument_size_in_bytes,
-        "outputs": mem.output_size_in_bytes,
-        "aliased": mem.alias_size_in_bytes,
-        "temp": mem.temp_size_in_bytes,
-        "code": mem.generated_code_size_in_bytes,
-    }
-    memory["total"] = memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temp"] + memory["code"]
+    memory = compiled_memory(compiled)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     block_trips = balanced_block_trips(config, routed_per_device, ep)

@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 
 from MaxText.config import Config
-from MaxText.data.source import Batch
 from MaxText.data.tokenizer import Tokenizer
+from MaxText.data.types import Batch
 
 FIELDS = ("inputs", "targets")
 
@@ -79,7 +79,7 @@ def pad_piece(piece: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray
 
 
 def to_batch_fields(packed: dict[str, np.ndarray], cross_document: bool) -> dict[str, np.ndarray]:
-    """grain's packed field names -> the training loop's (see ``MaxText/data/source.py``)."""
+    """grain's packed field names -> the training loop's (see ``MaxText/data/types.py``)."""
     segments = packed["inputs_segment_ids"].astype(np.int32)
     positions = packed["inputs_positions"].astype(np.int32)
     if cross_document:

@@ -1,38 +1,12 @@
-"""The interface between input pipelines and the training loop.
+"""Which input pipeline a run reads (``dataset_type``), for training and for evaluation.
 
-A data source yields this process's rows of each global batch as numpy arrays:
-
-    inputs, targets                 [rows, max_target_length] int32 token ids
-    inputs_position                 [rows, max_target_length] int32 position of each token in its document
-    inputs_segmentation             [rows, max_target_length] int32 document id (0 = padding)
-    targets_segmentation            [rows, max_target_length] int32 document id of each target (0 = no loss)
-
-``rows`` is the global batch size divided by the number of processes; the training loop
-assembles the global array with the mesh's batch sharding. ``get_state()`` returns a small
-JSON-serialisable object and ``set_state()`` resumes from it exactly, so a checkpoint can hold
-the data position next to the model.
+The interface they share (``Batch``, ``DataSource``) is in ``data/types.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any, Protocol
-
-import numpy as np
-
 from MaxText.config import Config, ConfigError
-
-Batch = dict[str, np.ndarray]
-
-
-class DataSource(Protocol):
-    def __iter__(self) -> Iterator[Batch]: ...
-
-    def __next__(self) -> Batch: ...
-
-    def get_state(self) -> Any: ...
-
-    def set_state(self, state: Any) -> None: ...
+from MaxText.data.types import DataSource
 
 
 def _rows(global_batch_size: int, process_count: int) -> int:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from MaxText.config import Config
-from MaxText.data.source import Batch
+from MaxText.data.types import Batch
 
 
 class SyntheticSource:

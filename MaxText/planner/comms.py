@@ -43,9 +43,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from MaxText.parallel.axes import MESH_AXES
 from MaxText.planner import circular, routing
 from MaxText.planner.constants import ACTIVATION_BYTES, COLLECTIVE_EFFICIENCY, Stack
-from MaxText.planner.layout import MESH_AXES, Layout
+from MaxText.planner.layout import Layout
 from MaxText.planner.model import ModelSpec
 from MaxText.planner.systems import System
 

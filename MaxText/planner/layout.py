@@ -23,11 +23,8 @@ import math
 from dataclasses import dataclass
 
 from MaxText.config import ConfigError
-from MaxText.parallel.axes import MESH_AXES as PARALLEL_MESH_AXES
-from MaxText.parallel.axes import parallelism_key
+from MaxText.parallel.axes import MESH_AXES, parallelism_key
 
-AXES = ("data", "fsdp", "expert", "tensor", "stage")
-MESH_AXES = PARALLEL_MESH_AXES  # the same axes, in the mesh's order
 REMAT_POLICIES = ("none", "minimal", "full")  # the repository's remat_policy values
 MODELLED_REMAT = (*REMAT_POLICIES, "selective")  # + Megatron's selective recompute
 
@@ -55,7 +52,7 @@ class Layout:
 
     @property
     def num_gpus(self) -> int:
-        return self.size(*AXES)
+        return self.size(*MESH_AXES)
 
     @property
     def tp(self) -> int:
@@ -98,7 +95,7 @@ class Layout:
         """The split rules a layout must meet before it is costed (ConfigError naming the rule)."""
         for part in (self.ici, self.dcn):
             for axis, ways in part.items():
-                if axis not in AXES or ways < 1:
+                if axis not in MESH_AXES or ways < 1:
                     raise ConfigError(f"layout: '{axis}' must be a mesh axis with >= 1 ways, got {ways}")
         if num_experts % self.ep:
             raise ConfigError(f"layout: num_experts ({num_experts}) is not divisible by expert parallelism ({self.ep})")

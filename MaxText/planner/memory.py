@@ -27,9 +27,10 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+from MaxText.parallel.axes import MESH_AXES
 from MaxText.planner import circular
 from MaxText.planner.constants import ACTIVATION_BYTES, Stack
-from MaxText.planner.layout import MESH_AXES, Layout
+from MaxText.planner.layout import Layout
 from MaxText.planner.model import ModelSpec, architecture
 
 

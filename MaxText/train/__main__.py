@@ -1,6 +1,8 @@
 """Entry point: ``python -m MaxText.train [extra.yml ...] key=value ...``.
 
-Bad configuration exits with code 2 and one line naming the key.
+Bad configuration (or a run that cannot fit its devices' memory) exits with code 2 and one line
+naming the key; a run a guard stops (too many non-finite steps in a row) exits with code 3 and one
+line naming the steps and the newest checkpoint.
 """
 
 import sys
@@ -16,6 +18,7 @@ def main(argv: list[str]) -> int:
     select_platform(config)
     initialize_distributed(config)
     from MaxText.checkpointing import CheckpointError
+    from MaxText.train.health import EXIT_HALTED, TrainingHalted
     from MaxText.train.loop import train
 
     try:
@@ -23,9 +26,12 @@ def main(argv: list[str]) -> int:
     except (
         ConfigError,
         CheckpointError,
-    ) as err:  # problems only visible with devices present (mesh vs device count, ...)
+    ) as err:  # problems only visible with devices present (mesh vs device count, memory, ...)
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except TrainingHalted as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_HALTED
     return 0
 
 

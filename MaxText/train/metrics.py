@@ -45,6 +45,11 @@ METRIC_FIELDS = (
     "expert_load_max_over_mean",
     "expert_load_max_over_mean_per_layer",
     "dropped_tokens",
+    "skipped",
+    "skipped_steps",
+    "data_wait_s",
+    "device_memory_in_use_gb",
+    "device_memory_peak_gb",
 )
 
 
@@ -75,11 +80,15 @@ def throughput(
 
 
 class MetricsWriter:
-    """metrics.jsonl (always), TensorBoard events (optional), and the loss plot at the end."""
+    """metrics.jsonl (always), TensorBoard events (optional), and the plots at the end."""
 
     def __init__(self, output_dir: Path, tensorboard: bool):
         self.output_dir = output_dir
-        self.jsonl = (output_dir / "metrics.jsonl").open("a")
+        path = output_dir / "metrics.jsonl"
+        cut = path.exists() and path.stat().st_size and not path.read_bytes().endswith(b"\n")
+        self.jsonl = path.open("a")
+        if cut:  # a run killed mid-line: its resumption starts on a line of its own
+            self.jsonl.write("\n")
         self.records: list[dict[str, Any]] = []
         self.tensorboard = None
         if tensorboard:
@@ -88,9 +97,13 @@ class MetricsWriter:
             self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"))
 
     def write(self, record: dict[str, Any]) -> None:
-        self.records.append(record)
+        """A step's record, or an event's (an ``event`` key: a rollback, the goodput totals), which
+        goes to metrics.jsonl only."""
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
+        if "event" in record:
+            return
+        self.records.append(record)
         if self.tensorboard:
             for key, value in record.items():
                 if isinstance(value, list):  # per-layer figures: one curve per layer
@@ -99,33 +112,52 @@ class MetricsWriter:
                 elif key != "step" and value is not None:
                     self.tensorboard.add_scalar(key, value, record["step"])
 
-    def close(self) -> Path | None:
+    def plot(self) -> list[Path]:
+        """loss.png and expert_load.png (``plots.py``) of the steps logged so far."""
+        from MaxText.train.plots import plot_expert_load, plot_losses
+
+        if not self.records:
+            return []
+        written = [plot_losses(self.records, self.output_dir / "loss.png")]
+        written.append(plot_expert_load(self.records, self.output_dir / "expert_load.png"))
+        return [p for p in written if p is not None]
+
+    def close(self) -> None:
         self.jsonl.close()
         if self.tensorboard:
             self.tensorboard.close()
-        return plot_losses(self.records, self.output_dir / "loss.png") if self.records else None
 
 
-def plot_losses(records: list[dict[str, Any]], path: Path) -> Path:
-    import matplotlib
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of ``run_dir/metrics.jsonl``, in file order.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    A cut-off last line (a run killed mid-write) is dropped; a bad line elsewhere is an error,
+    since it means the file is not what the trainer wrote.
+    """
+    path = Path(run_dir) / "metrics.jsonl"
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    records = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}:{n}: not JSON ({err.msg})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{n}: not a JSON object")
+        records.append(record)
+    return records
 
-    steps = [r["step"] for r in records]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key in ("loss", "lm_loss", "mtp_loss"):
-        if any(r.get(key) for r in records):
-            ax.plot(steps, [r[key] for r in records], label=key, marker="o" if len(steps) < 30 else None)
-    evals = [r for r in records if r.get("eval_loss") is not None]
-    if evals:
-        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], label="eval_loss", marker="s")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats)")
-    ax.set_title(path.parent.name)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+
+def step_of(record: dict[str, Any]) -> int | None:
+    """The record's step, or None for anything that is not a logged step."""
+    step = record.get("step")
+    if "event" in record or not isinstance(step, int) or isinstance(step, bool):
+        return None
+    return step
+
+
+def step_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of logged steps, events (a rollback, the goodput totals) left out."""
+    return [r for r in records if step_of(r) is not None]

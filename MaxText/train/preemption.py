@@ -4,7 +4,8 @@ The handler only records the signal; the loop asks ``should_stop(step)`` after e
 and exits. With several processes the answer is agreed (any process signalled means every process
 stops), so that all hosts save the same step. Agreeing is a collective (an all-gather of one flag),
 and fetching its result makes the host wait for the device to finish the step, which ends the
-host's run-ahead; so a multi-process run agrees only every ``preemption_check_period`` steps (on
+host's run-ahead (one step: the health guards read each step's loss while the next one runs); so
+a multi-process run agrees only every ``preemption_check_period`` steps (on
 steps that are multiples of it; the default matches ``log_period``, whose metrics fetch waits
 anyway). A signal is honoured at the next such step, so the period times the step time, plus the
 save, must fit in the scheduler's grace period (recipes: 600 s under Slurm, 900 s on k8s). A

@@ -3,6 +3,11 @@ then the auxiliary-loss-free bias update from the whole global batch's expert lo
 
 The step is jitted by the loop with explicit shardings; inside it every array is global, so
 expert loads summed here are loads over the global batch.
+
+A step whose loss or gradient norm is not finite is skipped inside the step: parameters,
+optimizer state (its update count, so the learning-rate schedule, included) and MoE biases keep
+their values, ``TrainState.step`` still counts the batch, and the metrics say ``skipped: 1``
+(the loop stops a run that skips too many in a row: ``train/health.py``).
 """
 
 from collections.abc import Callable
@@ -58,6 +63,22 @@ def correction_bias_range(bias: Any) -> Metrics:
     return {"routed_bias_min": every.min(), "routed_bias_max": every.max()}
 
 
+def keep_if_finite(finite: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where ``finite``, else ``old``, leaf by leaf: a step whose loss or gradient norm is
+    not finite changes no parameter, optimizer moment or count, and no MoE bias (one select per
+    leaf, fused into the update; no host round-trip)."""
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+
+def applied_updates(state: TrainState) -> jax.Array:
+    """The optimizer's count of applied updates (the learning-rate schedule's position): skipped
+    steps do not advance it, while ``TrainState.step`` counts every batch consumed (and stands in
+    for an optimizer without a schedule)."""
+    is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+    counts = [x.count for x in jax.tree.leaves(state.opt_state, is_leaf=is_schedule) if is_schedule(x)]
+    return counts[0] if counts else state.step
+
+
 def split_micro_batches(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
     """[global, S] -> [n, global / n, S], micro-batch i taking rows i, i + n, ... so that each
     micro-batch keeps the batch sharding of the global batch."""
@@ -102,6 +123,11 @@ def train_step(
         moe_bias = update_correction_bias(
             moe_bias, parts.expert_load, config.routed_bias_update_rate, config.routed_bias_update_rule
         )
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(parts.loss) & jnp.isfinite(grad_norm)
+    params, moe_bias, opt_state = keep_if_finite(
+        finite, (params, moe_bias, opt_state), (state.params, state.moe_bias, state.opt_state)
+    )
 
     load_ratios = load_max_over_mean_per_router(parts.expert_load)
     metrics = {
@@ -109,8 +135,9 @@ def train_step(
         "lm_loss": parts.lm_loss,
         "mtp_loss": parts.mtp_loss,
         "aux_loss": parts.aux_loss,
-        "grad_norm": optax.global_norm(grads),
-        "learning_rate": learning_rate_schedule(config)(state.step),
+        "grad_norm": grad_norm,
+        "skipped": (~finite).astype(jnp.int32),
+        "learning_rate": learning_rate_schedule(config)(applied_updates(state)),
         "expert_load_max_over_mean": load_ratios.mean(),
         "expert_load_max_over_mean_per_layer": load_ratios,
         **correction_bias_range(moe_bias),
