@@ -62,6 +62,20 @@ def test_fields_that_must_agree_do():
     assert job_index["valueFrom"]["fieldRef"]["fieldPath"] == JOB_INDEX_ANNOTATION
 
 
+def test_exits_that_a_restart_would_repeat_fail_the_jobset():
+    """Exit 2 (bad input, a run that cannot fit) and 3 (a guard stopped the run) fail the child Job
+    through its pod failure policy, and that reason fails the JobSet instead of restarting it."""
+    from MaxText.train.health import EXIT_HALTED
+
+    jobset, _, rjob, container = manifest_parts()
+    (rule,) = rjob["template"]["spec"]["podFailurePolicy"]["rules"]
+    assert rule["action"] == "FailJob" and rule["onExitCodes"]["containerName"] == container["name"]
+    assert rule["onExitCodes"]["operator"] == "In" and sorted(rule["onExitCodes"]["values"]) == [2, EXIT_HALTED]
+    assert rjob["template"]["spec"]["template"]["spec"]["restartPolicy"] == "Never"  # required by the policy
+    (jobset_rule,) = jobset["spec"]["failurePolicy"]["rules"]
+    assert jobset_rule == {"action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}
+
+
 def render_pod_env(container: dict, racks: int, pods_per_rack: int, rack: int, pod: int, coordinator: str) -> dict:
     """One pod's environment, for a JobSet of ``racks`` child Jobs of ``pods_per_rack`` pods."""
     env = literal_env(container)
