@@ -29,9 +29,10 @@ import subprocess
 import time
 from pathlib import Path
 
+from cluster.apt import install, reason_not_to_install
+
 COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue", "sinfo")
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
-POLICY_RC_D = Path("/usr/sbin/policy-rc.d")
 FINISHED_STATES = {
     "COMPLETED",
     "FAILED",
@@ -54,26 +55,9 @@ def install_reason_to_skip() -> str | None:
     missing = missing_commands()
     if not missing:
         return None
-    if os.geteuid() != 0:
-        return f"Slurm is not installed ({', '.join(missing)} missing) and installing it with apt needs root"
-    if shutil.which("apt-get") is None:
-        return f"Slurm is not installed ({', '.join(missing)} missing) and there is no apt-get to install it"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    own_policy = not POLICY_RC_D.exists()
-    if own_policy:  # package scripts must not start system munge/slurm daemons that outlive the tests
-        POLICY_RC_D.write_text("#!/bin/sh\nexit 101\n")
-        POLICY_RC_D.chmod(0o755)
-    try:
-        for command in (
-            ["apt-get", "update", "-qq"],
-            ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES],
-        ):
-            result = subprocess.run(command, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True)
-            if result.returncode != 0:
-                raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
-    finally:
-        if own_policy:
-            POLICY_RC_D.unlink()
+    if reason := reason_not_to_install(f"Slurm ({', '.join(missing)})"):
+        return reason
+    install(PACKAGES)
     if still := missing_commands():
         raise RuntimeError(f"apt installed {' '.join(PACKAGES)} but {', '.join(still)} are still missing")
     return None
