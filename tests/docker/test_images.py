@@ -7,7 +7,8 @@
   TFDS/grain data pipeline (``SMOKE``).
 - Two containers on the host network form one JAX job of 2 processes, the coordinator address
   passed as the Kubernetes recipe passes it, and log the losses of one process over the same batch.
-- The GPU image's Python layers import and compile the tiny model for a Blackwell target, deviceless.
+- The GPU image's Python layers hold jax with the CUDA plugin and Transformer Engine's Python
+  package, and compile the tiny model for a Blackwell target, deviceless.
 """
 
 import json
