@@ -131,44 +131,53 @@ class Guards:
         return str(self.checkpoints.step_path(max(steps))) if steps else "none yet"
 
     def rollback(self, step: int, loss: float, state):
+        """Restore the newest checkpoint and skip batches (when a rollback is left and a checkpoint
+        exists); one line and one record either way. (restored state, its step), or None."""
         median = self.spikes.median()
         said = f"loss spike at step {step}: {loss:.4f} > {self.config.loss_spike_factor} x median {median:.4f}"
         event = {"event": "loss_spike", "step": step, "loss": loss, "median": median}
         restored = None
-        if self.rollbacks >= self.config.max_rollbacks:
+        with self.goodput.timing("rollback"):
+            if self.rollbacks < self.config.max_rollbacks:
+                restored = self.restore_newest(state, said)
+            if restored is not None:
+                for _ in range(self.config.spike_skip_batches):  # the data position only moves on
+                    next(self.data)
+        if restored is not None:
+            self.rollbacks += 1
+            self.spikes.forget_after(restored.step)
+            self.skips.in_a_row = 0
+            said += (
+                f"; rolled back to step {restored.step} ({restored.path}), skipped the next "
+                f"{self.config.spike_skip_batches} batches (rollback {self.rollbacks} of {self.config.max_rollbacks})"
+            )
+            event |= {
+                "event": "rollback",
+                "restored_step": restored.step,
+                "skipped_batches": self.config.spike_skip_batches,
+                "rollback": self.rollbacks,
+            }
+        elif self.rollbacks >= self.config.max_rollbacks:
             said += f"; not rolled back: max_rollbacks ({self.config.max_rollbacks}) reached"
         else:
-            with self.goodput.timing("rollback"):
-                self.checkpoints.wait()
-                if not self.checkpoints.steps():
-                    said += "; no checkpoint to roll back to yet"
-                else:
-                    # free the state being replaced first: a run sized to its memory holds one state
-                    jax.block_until_ready(state)
-                    jax.tree.map(lambda x: x.delete(), state)
-                    restored = self.checkpoints.restore_latest(self.abstract_state)
-                    if restored is None:
-                        raise TrainingHalted(f"{said}; no checkpoint of {self.checkpoints.directory} could be restored")
-                if restored is not None:
-                    for _ in range(self.config.spike_skip_batches):  # the data position only moves on
-                        next(self.data)
-                    self.rollbacks += 1
-                    self.spikes.forget_after(restored.step)
-                    self.skips.in_a_row = 0
-                    said += (
-                        f"; rolled back to step {restored.step} ({restored.path}), skipped the next "
-                        f"{self.config.spike_skip_batches} batches (rollback {self.rollbacks} of {self.config.max_rollbacks})"
-                    )
-                    event |= {
-                        "event": "rollback",
-                        "restored_step": restored.step,
-                        "skipped_batches": self.config.spike_skip_batches,
-                        "rollback": self.rollbacks,
-                    }
+            said += "; no checkpoint to roll back to yet"
         self.log(said)
         if self.writer:
             self.writer.write(event)
         return (restored.state, restored.step) if restored is not None else None
+
+    def restore_newest(self, state, said: str):
+        """The newest checkpoint, restored after freeing ``state`` (a run sized to its memory holds
+        one state), or None when none is written yet."""
+        self.checkpoints.wait()
+        if not self.checkpoints.steps():
+            return None
+        jax.block_until_ready(state)
+        jax.tree.map(lambda x: x.delete(), state)
+        restored = self.checkpoints.restore_latest(self.abstract_state)
+        if restored is None:
+            raise TrainingHalted(f"{said}; no checkpoint of {self.checkpoints.directory} could be restored")
+        return restored
 
     def may_save(self, step: int) -> bool:
         """No checkpoint while steps are being skipped: the newest stays the last good state."""

@@ -107,9 +107,21 @@ def initial_state(
     return state, 0
 
 
-def finish(goodput: Goodput, writer: MetricsWriter | None, checkpoints, sources, is_writer: bool) -> list[Path]:
-    """Wait for the last checkpoint, close the data, write the plots and the goodput record (also
-    when a guard stopped the run: what was written so far is kept)."""
+def finish(
+    goodput: Goodput,
+    progress,
+    profiler: StepProfiler,
+    writer: MetricsWriter | None,
+    checkpoints,
+    sources,
+    is_writer: bool,
+) -> list[Path]:
+    """Close the progress bar and the profiler's window, wait for the last checkpoint, close the
+    data, write the plots and the goodput record (also when a guard stopped the run: what was
+    written so far is kept)."""
+    progress.close()
+    with goodput.timing("profile"):
+        profiler.close()
     with goodput.timing("checkpoint"):
         if checkpoints is not None:
             checkpoints.close()  # waits for the last write
@@ -286,10 +298,7 @@ def train(config: Config) -> RunResult:
                     log(f"stopped by {preemption.signal_name()} after step {step}; {said}")
                     break
     except TrainingHalted:
-        progress.close()
-        with goodput.timing("profile"):
-            profiler.close()
-        finish(goodput, writer, checkpoints, (data, eval_data), is_writer)
+        finish(goodput, progress, profiler, writer, checkpoints, (data, eval_data), is_writer)
         raise
     except BaseException:  # keep what was written; a failing checkpoint or plot must not hide the error
         progress.close()
@@ -298,10 +307,7 @@ def train(config: Config) -> RunResult:
             if writer:
                 writer.close()
         raise
-    progress.close()
-    with goodput.timing("profile"):
-        profiler.close()
-    outputs = finish(goodput, writer, checkpoints, (data, eval_data), is_writer)
+    outputs = finish(goodput, progress, profiler, writer, checkpoints, (data, eval_data), is_writer)
     if is_writer:
         print(
             f"outputs in {output_dir}: config.yml, metrics.jsonl"

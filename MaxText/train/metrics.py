@@ -85,7 +85,11 @@ class MetricsWriter:
     def __init__(self, output_dir: Path, tensorboard: bool):
         self.output_dir = output_dir
         path = output_dir / "metrics.jsonl"
-        cut = path.exists() and path.stat().st_size and not path.read_bytes().endswith(b"\n")
+        cut = False
+        if path.exists() and path.stat().st_size:
+            with path.open("rb") as f:
+                f.seek(-1, 2)  # the last byte only: the file grows with the run
+                cut = f.read(1) != b"\n"
         self.jsonl = path.open("a")
         if cut:  # a run killed mid-line: its resumption starts on a line of its own
             self.jsonl.write("\n")
