@@ -160,7 +160,7 @@ class Config(BaseModel):
     shared_experts: NonNegative
     base_moe_mlp_dim: Count
     capacity_factor: float
-    moe_matmul: Literal["auto", "blocked", "ragged_dot", "te"]
+    moe_matmul: Literal["auto", "tokamax", "blocked", "ragged_dot", "te"]
     moe_block_rows: Count
     moe_min_block_rows: Count
     moe_ep_comm: Literal["auto", "allgather", "all_to_all", "ragged_all_to_all", "te"]

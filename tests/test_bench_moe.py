@@ -36,3 +36,21 @@ def test_bench_moe_json_report():
     capacity = [c for c in cases if c["impl"].startswith("capacity") and c["routing"] == "all_to_one"]
     assert all(c["dropped_tokens"] > 0 for c in capacity)
     assert report["notes"] == []
+    # tokamax's GPU kernels are not timed on CPU, and the report says why
+    assert any(k["impl"] == "tokamax" and "not on cpu" in k["reason"] for k in report["skipped"])
+
+
+def test_bench_grouped_gemm_json_report():
+    """tools/bench_grouped_gemm.py at a tiny shape: the three GEMMs of tokamax's grouped matmul (its
+    XLA reference on CPU) and the dense GEMM they are measured against."""
+    cli = REPO / "tools" / "bench_grouped_gemm.py"
+    cmd = [sys.executable, str(cli), "--rows", "512", "--d-model", "128", "--ffn", "64", "--experts", "4"]
+    done = subprocess.run([*cmd, "--repeats", "1", "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    cases = {c["gemm"]: c for c in report["cases"]}
+    assert set(cases) == {"forward", "data_grad", "weight_grad", "dense"}
+    assert {c["kernel"] for c in cases.values()} == {"xla"}  # off a GPU: the reference
+    assert cases["dense"]["dense_ratio"] == 1.0
+    assert all(c["time_s"] > 0 and c["tflops"] > 0 for c in cases.values())
+    assert report["shape"]["gflop"] == 2 * 512 * 128 * 64 / 1e9

@@ -121,6 +121,7 @@ CASES = [
     ("blocked", "all_to_all"),  # the default factor: C = T, any routing in one round
     ("ragged_dot", "all_to_all", *SMALL_BUFFERS),
     ("blocked", "ragged_all_to_all", *SMALL_BUFFERS),
+    ("tokamax", "ragged_all_to_all", *SMALL_BUFFERS),  # tokamax's XLA reference kernels here
     ("blocked", "all_to_all", *TENSOR_MESH, "moe_ep_buffer_factor=0.5"),  # C = 4 of 8: overflows too
 ]
 IDS = [

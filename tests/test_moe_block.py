@@ -130,6 +130,7 @@ def routing_bias(kind, E):
 
 # Every routed-expert backend that runs on CPU; block sizes that do and do not divide the groups.
 BACKENDS = [
+    ("moe_matmul=tokamax",),  # tokamax's XLA reference kernels on CPU: the wiring (layout, padding, VJP)
     ("moe_matmul=ragged_dot",),
     ("moe_matmul=blocked", "moe_block_rows=8", "moe_min_block_rows=2"),  # blocks of 8, 4 and 2 rows
     ("moe_matmul=blocked", "moe_block_rows=20", "moe_min_block_rows=5"),  # 20, 10, 5: not powers of two
@@ -238,7 +239,7 @@ def test_capacity_baseline_drops_exactly_the_overflow():
     np.testing.assert_allclose(np.asarray(y).reshape(T, -1), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["blocked", "ragged_dot"])
+@pytest.mark.parametrize("backend", ["blocked", "ragged_dot", "tokamax"])
 def test_backends_on_rows_already_grouped_by_expert(backend):
     """The received-rows layout of moe_ep_comm=te: rows sorted by expert, each group padded with
     zero rows to a multiple of the alignment, known only by its group sizes. Every row must come

@@ -279,7 +279,7 @@ def test_auto_runs_the_routed_experts_fp8_gemms_in_blocked_everywhere():
 
     for platform in ("cpu", "gpu", "tpu"):
         assert resolve_backend("auto", platform, te=True, fp8=True) == "blocked"
-    assert resolve_backend("auto", "gpu", te=True) == "te"
+    assert resolve_backend("auto", "gpu", te=True) == "tokamax"
 
 
 def test_the_weight_gradient_is_summed_onto_the_weights_own_split():

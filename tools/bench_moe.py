@@ -25,9 +25,9 @@ and a zero correction bias; the chosen experts are checked against the desired o
 - ``zipf``: K distinct experts drawn with probability proportional to 1 / rank^1.2 (expert 0 hottest).
 - ``all_to_one``: every token's top-1 is expert 0, the other K-1 uniform among the rest.
 
-Implementations: ``dropless`` (``moe_matmul=auto``, the training default), every backend in
-``BACKENDS`` (``blocked`` once per ``--block-rows``; no backend twice: the dropless row stands for
-the one it resolves to), ``capacity`` (``capacity_factor=1.25``, when the config and
+Implementations: ``dropless`` (``moe_matmul=auto``, the training default: ``tokamax`` on GPU), every backend in
+``BACKENDS`` that runs on the platform (``blocked`` once per ``--block-rows``; no backend twice: the
+dropless row stands for the one it resolves to), ``capacity`` (``capacity_factor=1.25``, when the config and
 ``MaxText.moe.capacity`` provide it) and ``ceiling``. A case whose compiled program needs more memory
 than ``--max-gb`` is skipped with its size rather than run: on XLA:CPU ``ragged_dot`` is expanded over
 every expert, and the capacity baseline's one-hot [T, K, E, C] dispatch grows with (T*K)^2; both need
@@ -60,7 +60,7 @@ import numpy as np  # noqa: E402
 
 from MaxText.config import Config, ConfigError, load_config  # noqa: E402
 from MaxText.moe.dispatch import block_layout  # noqa: E402
-from MaxText.moe.experts import BACKENDS, config_backend, routed_experts, row_multiple  # noqa: E402
+from MaxText.moe.experts import BACKENDS, check_backend, config_backend, routed_experts, row_multiple  # noqa: E402
 from MaxText.moe.router import route  # noqa: E402
 
 ROUTINGS = ("balanced", "zipf", "all_to_one")
@@ -224,6 +224,11 @@ def build_impls(args: argparse.Namespace, platform: str) -> tuple[list[Impl], li
                 for b in args.block_rows
             ]
         else:
+            try:  # a backend this platform does not run (tokamax's GPU kernels on CPU) says why
+                check_backend(moe_config(args, platform, f"moe_matmul={backend}"), platform)
+            except ConfigError as err:
+                skipped.append((backend, f"not on {platform}: {err}"))
+                continue
             candidates = [backend_impl(backend, f"moe_matmul={backend}")]
         impls += [impl for impl in candidates if not any(same_case(impl, other) for other in impls[1:])]
     if "capacity" in args.impls:

@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# One prepared GPU check, for a bare single-GPU machine with JAX (CUDA) preinstalled; under 9 minutes.
+# One prepared GPU check, for a bare single-GPU machine with JAX (CUDA) preinstalled; under 10 minutes.
 #   1. installs what the CPU requirements add on top of JAX, from ./wheels if present (offline), else the index
-#      (for a machine without the network: `pip download --no-deps --only-binary=:all: --python-version 3.12
-#      --platform manylinux2014_x86_64 -d wheels pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0
-#      typing-inspection==0.4.2 tensorboardX==2.6.5`, with the GPU machine's Python version);
+#      (for a machine without the network: `pip download --only-binary=:all: --python-version 3.12
+#      --platform manylinux2014_x86_64 -d wheels pydantic==2.13.4 tensorboardX==2.6.5 tokamax==0.0.12`, with the
+#      GPU machine's Python version: tokamax brings einshape, jaxtyping, qwix, typeguard, wadler_lindig);
 #   2. trains the tiny model for 60 steps on the GPU (synthetic data: no dataset packages needed);
-#   3. times one MoE layer of DeepSeek-V3's expert shape in bfloat16: the dropless backends against the
-#      dense ceiling and the capacity baseline, under balanced, skewed and all-to-one routing;
-#   4. trains deepseek3-small for 30 steps: the whole step's tokens/s, TFLOP/s and MFU on this GPU;
-#   5. runs the FP8 GEMMs in every execution the GPU has against the emulation (tools/fp8_gemm_check.py);
-#   6. checks the attention backends' gradients against plain XLA attention at MLA's head dims, and times them;
-#   7. trains the tiny model for 60 steps with quantization=mxfp8 and fp8_blockwise, on the same batches as 2.
+#   3. times one MoE layer at one GPU's share of DeepSeek-V3's on Hopper (expert parallelism 8: 32 experts,
+#      4,096 tokens, top-8) in bfloat16: the default backend (tokamax) and blocked against the dense
+#      ceiling and the capacity baseline, under balanced, skewed and all-to-one routing;
+#   4. the same at the Blackwell recipes' share (expert parallelism 64: 4 experts, 32,768 rows);
+#   5. trains deepseek3-small for 30 steps with the default backend, then 6. with blocked: the whole
+#      step's tokens/s, TFLOP/s and MFU on this GPU, and their ratio;
+#   7. tokamax's grouped GEMMs at the Hopper shape against the dense GEMM, each of the three alone.
 # Each section has its own time limit and a failed section does not stop the next; the exit code is
 # the number of sections that failed. Figures go to stdout and, as files, to $OUT (default:
-# outputs/gpu-check): at most eight files, one folder deep. MOE_SHAPE and ATTENTION_SHAPE replace the
-# shape flags of sections 3 and 6 (a CPU rehearsal of this script runs them small).
+# outputs/gpu-check): at most eight files, one folder deep. MOE_SHAPE, MOE_SHAPE_EP64 and GEMM_SHAPE
+# replace the shape flags of sections 3, 4 and 7 (a CPU rehearsal of this script runs them small).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -42,7 +43,8 @@ packages() {
   missing=$($PY - <<'PYEOF'
 import importlib.util
 wanted = {"flax": "flax==0.12.8", "optax": "optax==0.2.8", "pydantic": "pydantic==2.13.4", "yaml": "PyYAML==6.0.3",
-          "tqdm": "tqdm==4.70.1", "matplotlib": "matplotlib==3.11.2", "tensorboardX": "tensorboardX==2.6.5"}
+          "tqdm": "tqdm==4.70.1", "matplotlib": "matplotlib==3.11.2", "tensorboardX": "tensorboardX==2.6.5",
+          "tokamax": "tokamax==0.0.12"}
 print(" ".join(pin for module, pin in wanted.items() if importlib.util.find_spec(module) is None))
 PYEOF
 )
@@ -64,48 +66,62 @@ train() {  # train NAME CONFIG...: a run on synthetic data, its last metrics lin
   grep -v '"event"' "$OUT/$name.jsonl" | tail -n 1
 }
 
-bench_moe() {  # default: one GPU's share of a DeepSeek-V3 MoE layer, 32 of its experts, D 7168, F 2048, top-8
-  # shellcheck disable=SC2086
-  $PY tools/bench_moe.py --dtype bfloat16 ${MOE_SHAPE:---tokens 4096 --d-model 7168 --ffn 2048 --experts 32 --top-k 8} \
-    --block-rows 128 256 --slow-s 5 --json > "$OUT/bench_moe.json" || return
+bench_moe() {  # bench_moe NAME SHAPE...: one MoE layer's routed part against the dense ceiling
+  local name=$1
+  shift
+  $PY tools/bench_moe.py --dtype bfloat16 "$@" --impls dropless blocked capacity ceiling --block-rows 512 \
+    --slow-s 5 --json > "$OUT/$name.json" || return
   $PY -c "
-import json; r = json.load(open('$OUT/bench_moe.json'))
+import json; r = json.load(open('$OUT/$name.json'))
 print(r['device'], r['shape'])
 for c in r['cases']:
-    print(f\"{c['routing']:>11} {c['impl']:>14} {c['time_s']*1e3:9.2f} ms  ratio {c['ceiling_ratio']:.3f}  dropped {c['dropped_tokens']}\")
+    print(f\"{c['routing']:>11} {c['impl']:>22} {c['time_s']*1e3:9.2f} ms  ratio {c['ceiling_ratio']:.3f}  dropped {c['dropped_tokens']}\")
 for k in r['skipped']:
     print('skipped', k['impl'], k['reason'])
 "
 }
 
-fp8_gemms() {
-  $PY tools/fp8_gemm_check.py --json > "$OUT/fp8_gemm_check.json" || return
+mfu_ratio() {  # the two small-model runs' last MFU, and tokamax's over blocked's
   $PY -c "
-import json; r = json.load(open('$OUT/fp8_gemm_check.json'))
-print(r['device'], r['shape'], 'bf16 GEMMs', round(r['bf16_s'] * 1e3, 3), 'ms')
-for c in r['cases']:
-    print(c['case'], (f\"{c['time_s']*1e3:.2f} ms ratio {c['bf16_gemm_time_ratio']:.3f} max rel diff {c['max_rel_diff_y_dx_dw']} {c.get('vs', 'vs emulation')} fp8 kernel {c.get('fp8_kernel', '-')}\" if c['ran'] else c['why']))
+import json
+def last(name):
+    rows = [json.loads(l) for l in open('$OUT/' + name + '.jsonl') if '\"event\"' not in l]
+    return rows[-1]
+a, b = last('small'), last('small-blocked')
+print(f\"MFU: default {a['mfu']:.4f}, blocked {b['mfu']:.4f}, ratio {a['mfu'] / b['mfu']:.2f}; tokens/s {a['tokens_per_s']:.0f} vs {b['tokens_per_s']:.0f}\")
 "
 }
 
-attention() {
+gemms() {  # tokamax's three grouped GEMMs alone against a dense GEMM of the same FLOPs
   # shellcheck disable=SC2086
-  $PY tools/bench_attention.py --backends dot flash cudnn --dtype bfloat16 ${ATTENTION_SHAPE:---seq 4096 --heads 16 --batch 2} \
-    --blocks 512 1024 | tee "$OUT/attention.txt"
+  $PY tools/bench_grouped_gemm.py ${GEMM_SHAPE:-} --json > "$OUT/grouped_gemm.json" || return
+  $PY -c "
+import json; r = json.load(open('$OUT/grouped_gemm.json'))
+print(r['device'], r['shape'])
+for c in r['cases']:
+    print(f\"{c['gemm']:>12} {c['kernel']:>7} {c['time_s']*1e3:8.3f} ms  {c['tflops']:7.1f} TFLOP/s  ratio to dense {c['dense_ratio']:.3f}\")
+"
 }
 
-MOE_SHAPE=${MOE_SHAPE:-}; ATTENTION_SHAPE=${ATTENTION_SHAPE:-}
-export PY OUT RUNS MOE_SHAPE ATTENTION_SHAPE
-export -f packages train bench_moe fp8_gemms attention
+MOE_SHAPE=${MOE_SHAPE:---tokens 4096 --d-model 7168 --ffn 2048 --experts 32 --top-k 8}
+MOE_SHAPE_EP64=${MOE_SHAPE_EP64:---tokens 8192 --d-model 7168 --ffn 2048 --experts 4 --top-k 4 --routings balanced}
+GEMM_SHAPE=${GEMM_SHAPE:-}
+export PY OUT RUNS GEMM_SHAPE
+export -f packages train bench_moe mfu_ratio gemms
 section packages 90 packages
-section "deepseek3-tiny, 60 steps, bfloat16" 120 train tiny-none steps=60
-section "MoE layer, bfloat16, forward+backward (ratio = dense ceiling time / implementation time)" 150 bench_moe
-section "deepseek3-small, 30 steps, bfloat16: tokens/s, TFLOP/s and MFU of the whole step" 150 \
+section "deepseek3-tiny, 60 steps, bfloat16" 90 train tiny-none steps=60
+# shellcheck disable=SC2086
+section "MoE layer at Hopper's share, bfloat16, forward+backward (ratio = dense ceiling time / case's)" 120 \
+  bench_moe bench_moe $MOE_SHAPE
+# shellcheck disable=SC2086
+section "MoE layer at the Blackwell recipes' share (4 local experts), forward+backward" 60 \
+  bench_moe bench_moe_ep64 $MOE_SHAPE_EP64
+section "deepseek3-small, 30 steps, default backend (tokamax): tokens/s, TFLOP/s, MFU" 100 \
   train small model_name=deepseek3-small steps=30
-section "FP8 GEMMs against the emulation (forward, input and weight gradient; ratio = bfloat16 GEMM time / case's)" 60 fp8_gemms
-section "attention at MLA's head dims, forward+backward (grad_err against dot)" 60 attention
-section "deepseek3-tiny, 60 steps, quantization=mxfp8 (emulated on this GPU)" 90 train tiny-mxfp8 steps=60 quantization=mxfp8
-section "deepseek3-tiny, 60 steps, quantization=fp8_blockwise" 90 train tiny-fp8_blockwise steps=60 quantization=fp8_blockwise
+section "deepseek3-small, 30 steps, moe_matmul=blocked (the previous default)" 100 \
+  train small-blocked model_name=deepseek3-small steps=30 moe_matmul=blocked
+section "deepseek3-small: default over blocked" 20 mfu_ratio
+section "tokamax's grouped GEMMs alone, against the dense GEMM" 60 gemms
 rm -rf "$RUNS"
 echo "== $failed section(s) failed"
 exit "$failed"

@@ -53,12 +53,12 @@ from MaxText.train.state import abstract_train_state
 from MaxText.train.step import jit_train_step
 
 # XLA:CPU cannot run these; compile the nearest CPU-legal choice instead.
-CPU_BACKEND = {"te": "blocked", "ragged_dot": "blocked"}
+CPU_BACKEND = {"te": "blocked", "ragged_dot": "blocked", "tokamax": "blocked"}
 CPU_EXCHANGE = {"te": "all_to_all", "ragged_all_to_all": "all_to_all"}
 CPU_ATTENTION = {"te": "flash", "cudnn": "flash"}  # fused flash attention -> the blockwise JAX one
 # What a deviceless GPU compile can take instead of Transformer Engine, per key.
 INSTEAD_OF_TE = {
-    "moe_matmul": "blocked or ragged_dot",
+    "moe_matmul": "tokamax, blocked or ragged_dot",
     "moe_ep_comm": "ragged_all_to_all, all_to_all or allgather",
     "attention": "cudnn, flash or dot",
 }
@@ -101,8 +101,10 @@ def _resolved(config: Config, platform: str) -> tuple[tuple[str, str, str], Choi
     )
 
     def target(key: str, name: str) -> str:
-        # auto attention goes to TE only where it would go to cuDNN (16-bit on a GPU)
-        takes_te = platform == "gpu" and getattr(config, key) == "auto" and (key != "attention" or name == "cudnn")
+        # auto attention goes to TE only where it would go to cuDNN (16-bit on a GPU); auto's
+        # grouped matmul never goes to TE
+        takes_te = platform == "gpu" and getattr(config, key) == "auto" and key != "moe_matmul"
+        takes_te = takes_te and (key != "attention" or name == "cudnn")
         return f"te if Transformer Engine imports, else {name}" if takes_te else name
 
     targets = [target(key, name) for key, name in zip(INSTEAD_OF_TE, names, strict=True)]
@@ -230,6 +232,14 @@ def balanced_block_trips(config: Config, tokens_per_device: int, ep: int) -> Cal
     return trips
 
 
+def balanced_expert_rows(config: Config, tokens_per_device: int) -> Callable[[int], float]:
+    """The rows a grouped GEMM kernel computes of a layout's ``M``: every copy routed to the
+    device's experts under balanced routing (``tokens_per_device x K`` with or without expert
+    parallelism), at most the layout's rows (the rest is padding or room for imbalance)."""
+    copies = tokens_per_device * config.num_experts_per_tok
+    return lambda rows: min(rows, copies)
+
+
 def ragged_rows(config: Config, tokens_per_device: int, ep: int) -> int:
     """The rows a ragged exchange moves per device under balanced routing: each token once to each
     of up to ``min(K, ep)`` devices (out into the slots, and back into the packed layout)."""
@@ -243,7 +253,7 @@ def compile_train_step(config: Config, devices: list | None = None, target: GpuT
     if target is None:
         return _compile(*for_cpu_compile(config), list(devices if devices is not None else jax.devices()), None)
     check_quantization(config, "gpu", target.compute_capability)
-    with compiling_for("gpu"), answering_device_queries(target):  # the model is traced from here on
+    with compiling_for("gpu"), answering_device_queries(target, devices[0]):  # the model is traced from here on
         return _compile(*for_gpu_compile(config), list(devices), target)
 
 
@@ -268,8 +278,9 @@ def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget |
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     block_trips = balanced_block_trips(config, routed_per_device, ep)
+    expert_rows = balanced_expert_rows(config, routed_per_device)
     text = compiled.as_text()
-    stats = hlo_stats(text, dict(mesh.shape), block_trips, SCOPES)
+    stats = hlo_stats(text, dict(mesh.shape), block_trips, SCOPES, expert_rows)
     tokens = config.global_batch_size(len(devices)) * config.max_target_length
     expected = {k: v / len(devices) for k, v in expected_step_flops(config, tokens).items()}
     state_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
@@ -278,7 +289,7 @@ def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget |
         domain_size = len(devices) // int(target.topology(len(devices)).split("x")[0])
         domain_of = np.array([d.id // domain_size for d in mesh.devices.flat])
         rows = ragged_rows(config, routed_per_device, ep)
-        schedule = overlap(text, target.hardware, domain_of, rows, block_trips).as_dict()
+        schedule = overlap(text, target.hardware, domain_of, rows, block_trips, expert_rows).as_dict()
     report = AotReport(
         devices=len(devices),
         target=target.name if target else "cpu",
@@ -306,5 +317,6 @@ def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget |
         lower_s=t1 - t0,
         compile_s=t2 - t1,
         pipeline=pipeline_summary(config),
+        host_syncs=stats.host_syncs,
     )
     return report, compiled

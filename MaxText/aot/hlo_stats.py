@@ -10,7 +10,10 @@ and matmul FLOPs and collectives are summed with it. Matmul FLOPs are ``2 x outp
 contracted elements`` per ``dot`` (or ``convolution``): elementwise work is left out, which at
 the 671B is well under 1% of the step.
 
-Two kinds of control flow depend on the data and are counted as balanced routing runs them: of a
+Control flow that depends on the data costs a host round-trip on XLA:GPU (it reads a loop's
+condition or a conditional's predicate on the host: a device-to-host copy and a stream
+synchronisation) unless XLA can count the loop's trips; ``host_syncs`` counts both per step, by
+named scope. Two kinds of such control flow are counted as balanced routing runs them: of a
 ``conditional`` only its cheapest branch (the expert-parallel overflow rounds run only when a
 device pair overflows its slots), and a loop whose trip count is data-dependent (the blocked MoE
 backend's loop over blocks) by a caller-supplied estimate (``dynamic_trips``).
@@ -27,8 +30,12 @@ along which its group varies.
 Matmul FLOPs on GPU also sit in custom calls: cuDNN's fused attention (``__cudnn$fmha*``) counts
 as the matmuls a flash kernel runs, forward ``QK^T`` and ``PV``, backward ``QK^T`` again, ``dV``,
 ``dP``, ``dQ``, ``dK``, over the causal half when its mask is causal (it skips the masked blocks).
-Other custom calls that look like matmuls (cuBLAS, cuDNN, GEMM) are listed by target
-(``uncounted``), not guessed.
+So do the grouped GEMM kernels of ``moe_matmul: tokamax`` (Mosaic GPU ``mosaic_gpu_v2`` or
+Triton custom calls, told apart by tokamax's ragged-dot op in their op name): ``2 x rows x K x N``
+from their operand and result shapes, where ``rows`` is how many of the layout's rows fall in the
+groups, a runtime value; a caller-supplied estimate (``ragged_rows``, balanced routing) gives it,
+all rows without one. Other custom calls that look like matmuls (cuBLAS, cuDNN, GEMM) are listed
+by target (``uncounted``), not guessed.
 """
 
 from __future__ import annotations
@@ -57,6 +64,9 @@ DTYPE_BYTES = {
 LARGEST = 12  # the biggest single collectives reported, with the JAX op each came from
 # (dims every matmul of a data-dependent loop has, dims any of them has) -> the loop's trip count
 DynamicTrips = Callable[[set[int], set[int]], float]
+# a grouped GEMM's rows (the layout's, padding included) -> the rows its groups cover
+RaggedRows = Callable[[int], float]
+RAGGED_DOT_OP = "RaggedDot"  # in the op name of tokamax's ragged-dot kernels
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
 _SHAPE = re.compile(r"\b(pred|[sufc]\d+|bf16|f8e\w+)\[([\d,]*)\]")
@@ -118,6 +128,8 @@ class HloStats:
     flops_by_scope: dict[str, float] = field(default_factory=dict)  # named scope -> its matmul FLOPs
     # "kind of dtype" ("ragged-all-to-all of u8") -> {"count", "bytes"}: FP8 moves as bytes (u8)
     by_dtype: dict[str, dict[str, float]] = field(default_factory=dict)
+    # where (a named scope, else the JAX op) -> {"while": data-dependent loops, "conditional": ...}, per step
+    host_syncs: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def parse_computations(text: str) -> dict[str, list[Instr]]:
@@ -258,11 +270,34 @@ def _fmha_flops(instr: Instr) -> float:
     return 2.0 * pairs * ((3 * dqk + 2 * dv) if backward else (dqk + dv))
 
 
-def custom_call_flops(instr: Instr) -> float | None:
+def _ragged_dot_flops(instr: Instr, ragged_rows: RaggedRows | None) -> float:
+    """A grouped GEMM's FLOPs from its two floating-point operands and its result: [M, K] x
+    [G, K, N] (or [G, N, K]) -> [M, N] (forward, input gradient), or [M, K] (or [K, M]) x [M, N]
+    -> [G, K, N] (weight gradient); the M rows counted as ``ragged_rows`` says."""
+    key = "operand_layout_constraints="
+    start = instr.rest.find(key)
+    shapes = _SHAPE.findall(_braced(instr.rest, start + len(key))) if start >= 0 else []
+    floats = [[int(x) for x in dims.split(",") if x] for dtype, dims in shapes if not dtype.startswith(("s", "u"))]
+    out = dims_of(instr.result)
+    if len(floats) != 2 or len(out) not in (2, 3):
+        return 0.0
+    if len(out) == 2:
+        M, N = out
+        K = math.prod(floats[0]) // max(M, 1)
+    else:
+        _, K, N = out
+        M = math.prod(floats[0]) // max(K, 1)
+    rows = min(M, ragged_rows(M)) if ragged_rows else M
+    return 2.0 * rows * K * N
+
+
+def custom_call_flops(instr: Instr, ragged_rows: RaggedRows | None = None) -> float | None:
     """Matmul FLOPs of a custom call this module knows, None for one it does not."""
     target = _TARGET.search(instr.rest)
     if target and target.group(1).startswith("__cudnn$fmha"):
         return _fmha_flops(instr)
+    if RAGGED_DOT_OP in op_name(instr):
+        return _ragged_dot_flops(instr, ragged_rows)
     return None
 
 
@@ -330,12 +365,16 @@ def element_type(instr: Instr) -> str:
 
 
 def op_name(instr: Instr) -> str:
-    m = re.search(r'op_name="([^"]*)"', instr.rest)
+    m = re.search(r'op_name="((?:[^"\\]|\\.)*)"', instr.rest)  # tokamax's op names hold escaped quotes
     return m.group(1) if m else ""
 
 
 def hlo_stats(
-    text: str, mesh_shape: dict[str, int], dynamic_trips: DynamicTrips | None = None, scopes: tuple[str, ...] = ()
+    text: str,
+    mesh_shape: dict[str, int],
+    dynamic_trips: DynamicTrips | None = None,
+    scopes: tuple[str, ...] = (),
+    ragged_rows: RaggedRows | None = None,
 ) -> HloStats:
     """FLOPs, collectives and loops of a compiled program; ``scopes`` names JAX named scopes
     (carried in each op's name) whose matmul FLOPs are also reported apart."""
@@ -362,13 +401,23 @@ def hlo_stats(
         parent, instr = callers[comp]
         return op_name(instr) or caller_name(parent, depth + 1)
 
+    host_syncs: dict[str, dict[str, int]] = {}
     for name, instrs in comps.items():
         times = mult.get(name, 0)
         if not times:
             continue
         for instr in instrs:
+            if (instr.opcode == "while" and not _trip_count(instr, comps)) or instr.opcode == "conditional":
+                where = op_name(instr) or caller_name(name)
+                key = next((s for s in scopes if f"/{s}/" in where), _short(where))
+                entry = host_syncs.setdefault(key, {"while": 0, "conditional": 0})
+                entry[instr.opcode] += times
+                continue
             if instr.opcode in ("dot", "convolution", "custom-call"):
-                counted = matmul_flops(instr, types) if instr.opcode != "custom-call" else custom_call_flops(instr)
+                if instr.opcode == "custom-call":
+                    counted = custom_call_flops(instr, ragged_rows)
+                else:
+                    counted = matmul_flops(instr, types)
                 target = _TARGET.search(instr.rest)
                 key = target.group(1) if target else "?"
                 if counted is None and MATMUL_LIKE.search(key):
@@ -397,4 +446,10 @@ def hlo_stats(
             primitive = f"{kind} of {(op or '?').rsplit('/', 1)[-1]}"
             by_op[primitive] = by_op.get(primitive, 0.0) + times * nbytes
     largest = sorted(largest, key=lambda x: -x[1])[:LARGEST]
-    return HloStats(flops, kinds, by_axes, loops, largest, by_op, uncounted, by_scope, by_dtype)
+    return HloStats(flops, kinds, by_axes, loops, largest, by_op, uncounted, by_scope, by_dtype, host_syncs)
+
+
+def _short(op: str) -> str:
+    """An op name without its ``jit(...)`` prefix and transformation wrappers, for a report line."""
+    parts = [p for p in op.split("/") if p and not p.startswith(("jit(", "jvp(", "transpose(", "checkpoint"))]
+    return "/".join(parts[-3:]) or "?"

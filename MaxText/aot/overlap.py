@@ -39,6 +39,7 @@ from MaxText.aot.hlo_stats import (
     CALLEE,
     DynamicTrips,
     Instr,
+    RaggedRows,
     collective_bytes,
     custom_call_flops,
     dims_of,
@@ -137,8 +138,10 @@ def _body(instr: Instr) -> str:
 
 
 class _CostModel:
-    def __init__(self, comps, types, trips, system: System, domain_of: np.ndarray, ragged_rows: int | None):
-        self.comps, self.types, self.trips = comps, types, trips
+    def __init__(
+        self, comps, types, trips, system: System, domain_of: np.ndarray, ragged_rows: int | None, expert_rows=None
+    ):
+        self.comps, self.types, self.trips, self.expert_rows = comps, types, trips, expert_rows
         self.flops_per_s = system.peak_flops("bf16") * GEMM_EFFICIENCY["dense"]["bf16"]
         self.hbm, self.system = system.hbm_bw, system
         self.domain_of, self.ragged_rows = domain_of, ragged_rows
@@ -156,7 +159,7 @@ class _CostModel:
         if instr.opcode in ("dot", "convolution"):
             return matmul_flops(instr, self.types)
         if instr.opcode == "custom-call":
-            return custom_call_flops(instr) or 0.0
+            return custom_call_flops(instr, self.expert_rows) or 0.0
         if instr.opcode == "while":
             return self.trips.get(_body(instr), 1) * self.flops(_body(instr))
         return sum(self.flops(c) for key, c in CALLEE.findall(instr.rest) if key in ("calls", "to_apply"))
@@ -282,17 +285,19 @@ def overlap(
     domain_of: np.ndarray,
     ragged_rows: int | None = None,
     dynamic_trips: DynamicTrips | None = None,
+    expert_rows: RaggedRows | None = None,
 ) -> OverlapReport:
     """The overlap of every asynchronous collective in a scheduled GPU program. ``domain_of[p]`` is
     the NVLink domain of partition p (the mesh's p-th device); ``ragged_rows`` the rows a
-    ragged-all-to-all moves under balanced routing (None: its whole buffer)."""
+    ragged-all-to-all moves under balanced routing (None: its whole buffer); ``expert_rows`` the
+    rows a grouped GEMM kernel computes (``hlo_stats.RaggedRows``)."""
     comps = parse_computations(text)
     types = {i.name: i.result for instrs in comps.values() for i in instrs}
     mult, loops = multiplicities(comps, types, dynamic_trips)
     trips: dict[str, float] = {}
     for body, n in loops:
         trips.setdefault(body, n)
-    model = _CostModel(comps, types, trips, system, domain_of, ragged_rows)
+    model = _CostModel(comps, types, trips, system, domain_of, ragged_rows, expert_rows)
     shares: dict[str, Share] = {c: Share() for c in CATEGORIES}
     for name, instrs in comps.items():
         if mult.get(name) and any(i.opcode.endswith("-start") or collective_bytes(i, types) for i in instrs):

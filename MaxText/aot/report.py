@@ -46,6 +46,8 @@ class AotReport:
     compile_s: float
     warnings: list[str] = field(default_factory=list)
     pipeline: dict | None = None  # stages, repeats, microbatches, bubble (the share of iterations a stage idles)
+    # where -> {"while", "conditional"}: data-dependent control flow per step (a host round-trip each on XLA:GPU)
+    host_syncs: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -104,6 +106,10 @@ def format_report(r: AotReport, hbm_gb: float | None, limit_gb: float | None = N
             f" = {_ratio(flops, expected)}"
         )
     lines.append(f"  while loops: {len(r.loops)}, trip counts {sorted({n for _, n in r.loops})}")
+    lines.append(
+        "  host round-trips per step (data-dependent while loops, conditionals): "
+        + (", ".join(f"{k} {v['while']}, {v['conditional']}" for k, v in sorted(r.host_syncs.items())) or "none")
+    )
     if r.uncounted_calls:
         lines.append(f"  custom calls not counted: {r.uncounted_calls}")
     lines += ["", "collectives per device per step                count        GB"]

@@ -14,10 +14,15 @@ The topology is ``<NVLink domains>x<hosts per domain>x<GPUs per host>``: devices
 one "slice" to XLA, joined by NVLink, and slices meet over the scale-out network. A job's GPUs in a
 domain follow the planner's ``System.domain_gpus`` (64 of an NVL72 rack for power-of-two jobs).
 
-Two things a device would answer while tracing are answered from the target instead
-(``answering_device_queries``): JAX's cuDNN attention asks the attached GPU for its compute
-capability (``jax/_src/cudnn/fused_attention_stablehlo.py``), and on a CPU host it would answer
-"older than Hopper" and refuse head dims above 128.
+What a device would answer while tracing is answered from the target instead, here and nowhere
+else (``answering_device_queries``; ``tests/test_tokamax_matmul.py`` fails when a library moves the
+function a patch replaces):
+- JAX's cuDNN attention asks the attached GPU for its compute capability
+  (``jax/_src/cudnn/fused_attention_stablehlo.py``); on a CPU host it would answer "older than
+  Hopper" and refuse head dims above 128.
+- tokamax asks JAX's default device (``jax.extend.backend.get_default_device``) for its kind,
+  compute capability and SM count, to pick and size its kernels; on a CPU host it would refuse
+  ("Not supported on cpu"). The answer is one of the target's compile devices, which carry them.
 """
 
 from __future__ import annotations
@@ -144,10 +149,16 @@ def compile_devices_or_error(target: GpuTarget, num_gpus: int) -> tuple[list | N
 
 
 @contextlib.contextmanager
-def answering_device_queries(target: GpuTarget) -> Iterator[None]:
+def answering_device_queries(target: GpuTarget, device=None) -> Iterator[None]:
     """For the trace: JAX's cuDNN attention checks the compute capability of the attached GPU
-    (there is none); it gets the target's."""
+    (there is none), and gets the target's; JAX's default device (what tokamax asks) is
+    ``device``, one of the target's compile devices (default: a new one)."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+    from jax.extend import backend
+
+    device = device if device is not None else compile_devices(target, 1)[0]
+    saved_default = backend.get_default_device
+    backend.get_default_device = lambda: device
 
     def version(capability: str) -> tuple[int, ...]:
         return tuple(int(x) for x in capability.split("."))
@@ -159,3 +170,4 @@ def answering_device_queries(target: GpuTarget) -> Iterator[None]:
         yield
     finally:
         cudnn_attention.check_compute_capability, cudnn_attention.is_cuda_compute_capability_equal = saved
+        backend.get_default_device = saved_default

@@ -30,11 +30,13 @@ class BlockLayout(NamedTuple):
     padded_E: jax.Array  # rows each expert occupies: its size rounded up to the row multiple
 
 
-def num_padded_rows(num_rows: int, num_experts: int, row_multiple: int) -> int:
+def num_padded_rows(num_rows: int, num_experts: int, row_multiple: int, total_multiple: int = 1) -> int:
     """Static number of rows that holds any routing: each expert pads fewer than ``row_multiple``
-    rows, plus one row that always stays zero (where inactive copies point)."""
+    rows, plus one row that always stays zero (where inactive copies point); the total rounded up
+    to a multiple of ``total_multiple`` (a kernel's row tile)."""
     used = num_rows + num_experts * (row_multiple - 1)
-    return (used // row_multiple + 1) * row_multiple
+    rows = (used // row_multiple + 1) * row_multiple
+    return -(-rows // total_multiple) * total_multiple
 
 
 class SortedCopies(NamedTuple):
@@ -64,6 +66,7 @@ def block_layout(
     capacity: int | None = None,
     skip: jax.Array | int = 0,
     copies: SortedCopies | None = None,
+    total_multiple: int = 1,
 ) -> BlockLayout:
     """The padded layout of the copies whose ``active_TK`` is true (all by default). Inactive
     copies (for example, routed to another device's experts) get no row: they read an
@@ -76,7 +79,7 @@ def block_layout(
     T, K = experts_TK.shape
     M, m = T * K, row_multiple
     window = M if capacity is None else min(M, capacity)
-    P = num_padded_rows(window, num_experts, m)
+    P = num_padded_rows(window, num_experts, m, total_multiple)
     flat_M, order_M, rank_M, all_sizes_E = copies or sort_copies(experts_TK, num_experts, active_TK)
     all_start_E = jnp.cumsum(all_sizes_E) - all_sizes_E  # first sorted position of each expert
     # The window [skip, skip + window) of sorted positions, expert by expert.

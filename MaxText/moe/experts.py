@@ -5,15 +5,21 @@ layout (the copies sorted by expert, each expert padded to the smallest block fo
 built once per MoE block by the same gather that sorts. Backends built on a grouped matmul compose
 three of them; ``blocked`` fuses the whole SwiGLU into one loop over blocks.
 
+- ``tokamax``: tokamax's grouped GEMM kernels over the sorted, unpadded layout (Mosaic GPU or
+  Triton per GPU generation: ``tokamax_matmul.py``); one kernel launch per GEMM, no host
+  round-trip. GPU only (its XLA reference runs the CPU tests). The default on GPU.
 - ``blocked``: blocks of halving sizes and one loop of dense per-block SwiGLUs (ours; portable;
-  the default on CPU, and on GPU without Transformer Engine).
+  the default on CPU, and with FP8, whose GEMMs it holds). On GPU its loop's trip counts are data,
+  which XLA:GPU reads on the host every iteration.
 - ``ragged_dot``: XLA's grouped matmul over the sorted, unpadded layout. A real grouped matmul
   on TPU; XLA:GPU (jaxlib 0.10.2) rewrites it into one dense matmul over every local expert
   (the rows masked per expert), so it does ``E_local`` x the expert FLOPs there (4x on the 671B
   at 64-way expert parallelism, measured in its GPU compile: ``tools/aot_compile.py --target``).
-- ``te``: Transformer Engine's grouped GEMM (GPU; imported only when chosen).
-- ``auto``: ``te`` on GPU when it imports, else ``blocked`` on GPU, ``ragged_dot`` on TPU,
-  ``blocked`` on CPU.
+- ``te``: Transformer Engine's grouped GEMM (GPU; imported only when chosen). Never ``auto``'s
+  choice: it copies the group sizes to the host every call (a stream synchronisation), and it has
+  not run in this repository's tests.
+- ``auto``: ``tokamax`` on GPU with bfloat16 activations, ``blocked`` with FP8 or float32;
+  ``ragged_dot`` on TPU; ``blocked`` on CPU.
 
 ``capacity_factor > 0`` replaces all of them with the token-dropping baseline (``capacity.py``).
 With an expert mesh axis larger than 1, the backend runs per device on that device's experts, and
@@ -31,6 +37,7 @@ import jax
 
 from MaxText.config import Config, ConfigError
 from MaxText.layers.common import import_error
+from MaxText.moe import tokamax_matmul
 from MaxText.moe.blocked import blocked_swiglu, expert_blocks, level_rows
 from MaxText.moe.capacity import capacity_experts
 from MaxText.moe.dispatch import BlockLayout, block_layout, combine, combine_blocks, in_rounds, sort_copies, to_blocks
@@ -77,7 +84,12 @@ def _transformer_engine(x_PI: jax.Array, w_EIO: jax.Array, layout: BlockLayout) 
     return grouped_dense(x_PI, w_EIO, layout.sizes_E.at[-1].add(x_PI.shape[0] - layout.sizes_E.sum()))
 
 
+def _tokamax(x_PI: jax.Array, w_EIO: jax.Array, layout: BlockLayout) -> jax.Array:
+    return tokamax_matmul.grouped_matmul(x_PI, w_EIO, layout.sizes_E)
+
+
 BACKENDS: dict[str, ExpertsBackend] = {
+    "tokamax": _swiglu_of(_tokamax),
     "blocked": _blocked,
     "ragged_dot": _swiglu_of(_ragged_dot),
     "te": _swiglu_of(_transformer_engine),
@@ -97,9 +109,10 @@ def swiglu_experts(
     so memory follows the share, not the worst case, and nothing is dropped."""
     M, rows, E = experts_TK.size, row_multiple(backend, config), wi_0.shape[0]
     copies = sort_copies(experts_TK, E, active_TK)  # once for every pass
+    align = layout_alignment(backend)
 
     def one_pass(q):
-        layout = block_layout(experts_TK, E, rows, active_TK, capacity, q * (capacity or 0), copies)
+        layout = block_layout(experts_TK, E, rows, active_TK, capacity, q * (capacity or 0), copies, align)
         yp_PD = BACKENDS[backend](to_blocks(x_TD, layout), wi_0, wi_1, wo, layout, config)
         return combine_blocks(yp_PD, weights_TK, layout)
 
@@ -111,6 +124,11 @@ def swiglu_experts(
 def row_multiple(backend: str, config: Config) -> int:
     """What the backend's layout pads each expert's rows to a multiple of."""
     return config.moe_min_block_rows if backend == "blocked" else 1
+
+
+def layout_alignment(backend: str) -> int:
+    """What the backend's layout pads its total rows to a multiple of (a kernel's row tile)."""
+    return tokamax_matmul.ROW_ALIGN if backend == "tokamax" else 1
 
 
 def transformer_engine_error() -> str | None:
@@ -132,19 +150,28 @@ def _resolve_auto(
     return tpu_choice if platform == "tpu" else cpu_choice
 
 
-def resolve_backend(name: str, platform: str | None = None, te: bool | None = None, fp8: bool = False) -> str:
-    """The grouped-matmul backend ``moe_matmul`` names: ``auto`` is te on GPU, else blocked
-    (XLA:GPU expands ragged_dot densely over the experts), ragged_dot on TPU, blocked on CPU.
-    With FP8 (``fp8``: ``quantization`` on) ``auto`` is blocked everywhere: the only backend
-    with FP8 GEMMs (``config.check_rules`` refuses the others by name)."""
-    if fp8 and name == "auto":
+def resolve_backend(
+    name: str, platform: str | None = None, te: bool | None = None, fp8: bool = False, dtype: str = "auto"
+) -> str:
+    """The grouped-matmul backend ``moe_matmul`` names. ``auto`` is tokamax on GPU (Transformer
+    Engine or not: ``te`` is chosen by name only, see the module docstring), ragged_dot on TPU,
+    blocked on CPU; blocked wherever the GEMMs are FP8 (``fp8``: ``quantization`` on; the only
+    backend with FP8 GEMMs, ``config.check_rules`` refuses the others by name) or the activations
+    are float32/64 on GPU (``dtype``; tokamax's Mosaic kernels take 16-bit operands)."""
+    del te  # kept for the callers that resolve the exchange alongside
+    if name != "auto":
+        return name
+    platform = platform or trace_platform()
+    if fp8:
         return "blocked"
-    return _resolve_auto(name, platform, te, "blocked", "ragged_dot", "blocked")
+    if platform in GPU_PLATFORMS:
+        return "tokamax" if dtype in ("auto", "bfloat16") else "blocked"
+    return "ragged_dot" if platform == "tpu" else "blocked"
 
 
 def config_backend(config: Config, platform: str | None = None, te: bool | None = None) -> str:
     """``moe_matmul`` of ``config`` as ``resolve_backend`` resolves it, FP8 included."""
-    return resolve_backend(config.moe_matmul, platform, te, fp8=config.quantization != "none")
+    return resolve_backend(config.moe_matmul, platform, te, fp8=config.quantization != "none", dtype=config.dtype)
 
 
 def resolve_exchange(name: str, platform: str | None = None, te: bool | None = None) -> str:
@@ -156,6 +183,8 @@ def resolve_exchange(name: str, platform: str | None = None, te: bool | None = N
 def check_backend(config: Config, platform: str) -> None:
     """Fail early, saying what to install or choose instead, when the chosen backend or
     expert-parallel exchange cannot run here."""
+    if config_backend(config, platform) == "tokamax":
+        _check_tokamax(config, platform)
     if config_backend(config, platform) == "te" and (reason := transformer_engine_error()):
         raise ConfigError(
             f"config key 'moe_matmul': 'te' needs Transformer Engine for JAX, which does not import here ({reason}); "
@@ -178,6 +207,21 @@ def check_backend(config: Config, platform: str) -> None:
         raise ConfigError(
             f"config key 'moe_min_block_rows': must divide {ALIGN_ROWS} (moe_ep_comm=te pads each expert's "
             f"received rows to a multiple of it), got {config.moe_min_block_rows}"
+        )
+
+
+def _check_tokamax(config: Config, platform: str) -> None:
+    if platform not in GPU_PLATFORMS:
+        raise ConfigError(
+            f"config key 'moe_matmul': tokamax runs GPU kernels (Mosaic GPU, Triton) and this run is on {platform}; "
+            "choose blocked (the CPU default) or ragged_dot here"
+        )
+    if reason := tokamax_matmul.import_error():
+        raise ConfigError(f"config key 'moe_matmul': tokamax does not import here ({reason}); install requirements.txt")
+    if config.dtype not in ("auto", "bfloat16"):
+        raise ConfigError(
+            f"config key 'moe_matmul': tokamax's kernels take bfloat16 operands, and dtype is {config.dtype}; "
+            "set dtype=bfloat16 or choose blocked"
         )
 
 

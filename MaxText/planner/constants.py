@@ -103,8 +103,8 @@ STACKS: dict[str, Stack] = {
         ),
         Stack(
             name="te-jax",
-            summary="this repository with Transformer Engine's MoE block: NCCL EP dispatch on XLA's "
-            "collective stream, grouped GEMM, FSDP gathers overlapped by the latency-hiding scheduler",
+            summary="this repository on the GPU image: Transformer Engine's NCCL EP dispatch on XLA's "
+            "collective stream, tokamax's grouped GEMMs, FSDP gathers overlapped by the latency-hiding scheduler",
             runs_here=True,
             state="sharded",
             exchange="all_to_all",
@@ -112,8 +112,13 @@ STACKS: dict[str, Stack] = {
             dispatch_overlap=0.60,  # set, a little below Megatron's fitted 0.68 (no 1F1B interleave)
             fsdp_overlap=0.8,  # set; checked by the 97% scaling at 1,024 GB300 (predicted 100%)
             dp_overlap=0.5,
+            # set: tokamax's grouped GEMM kernels (moe_matmul=auto on GPU) taken at a fused grouped
+            # GEMM's rate. Not yet measured here; the published figure for a Pallas Mosaic GPU
+            # grouped GEMM of the same kind (JAX's Blackwell ragged_dot kernel, third party: 1,457
+            # TFLOP/s on one GB200, about 65% of peak) is above the fitted in-step 0.43 of peak.
+            # tools/bench_grouped_gemm.py measures the kernels against the dense GEMM on a GPU.
             grouped_scale=1.0,
-            host_s_per_layer=0.0,  # XLA command buffers
+            host_s_per_layer=0.0,  # XLA command buffers; the overflow decisions' reads are ~1e-4 s a layer
             fp8_dispatch=False,  # TE's NCCL EP moves the quantized tokens in bf16
             usable_hbm=0.9,
         ),
