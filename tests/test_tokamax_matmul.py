@@ -235,3 +235,71 @@ def test_hopper_mosaic_kernels_run_in_interpret_mode():
     r = json.loads(compiled_script(INTERPRET)[-1])
     assert r["forward"] < 1 / 128 and r["data_grad"] < 1 / 128, r
     assert "layout_cast" in r["weight_grad"], r
+
+
+# ---- overflow rounds inside conditionals: decided on the device (aot/thunks.py) ----
+
+SEQUENCE = """\
+000: kCommandBuffer [source | sink]
+    001: kCopy         [source       | next=004 (3)] kCopy
+    004: kWhile        [prev=003 (1) | next=011 (1)]
+condition:
+        005: kCustomKernel [source | sink] wrapped_compare grid: [1, 1, 1]
+      body:
+        006: kCustomKernel [source       | sink        ] loop_add_fusion grid: [1, 1, 1]
+    011: kConditional  [prev=004 (1) | sink        ]
+012: kConditional    [prev=000 (1) | sink        ]
+  false_branch:
+    013: kWhile         [source | sink]
+condition:
+        014: kCustomKernel [source | sink] compare
+"""
+METADATA = "".join(
+    f'thunk_metadata {{\n  thunk_info {{\n    profile_annotation: "{name}"\n    thunk_id: {i}\n  }}\n'
+    f'  thunk_kind: "{kind}"\n}}\n'
+    for name, i, kind in [
+        ("while.7", 4, "kWhile"),
+        ("cond.3", 11, "kConditional"),
+        ("conditional.9", 12, "kConditional"),
+        ("while.2", 13, "kWhile"),
+    ]
+)
+
+
+def test_thunk_reader_finds_the_control_flow_outside_command_buffers():
+    """In XLA:GPU's printed form: section labels start at column 0, nesting is indentation."""
+    from MaxText.aot.thunks import host_decided
+
+    assert host_decided(SEQUENCE, METADATA) == {"conditional.9", "while.2"}
+
+
+CONDITIONAL = """
+import sys, tempfile
+from pathlib import Path
+import jax, jax.numpy as jnp
+from MaxText.aot.targets import TARGETS, answering_device_queries, compile_devices
+from MaxText.aot.thunks import read_dump
+from MaxText.moe import tokamax_matmul as tm
+
+target = TARGETS[sys.argv[1]]
+device = compile_devices(target, 1)[0]
+spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+
+def overflow_round(x, w, sizes):  # the shape of an overflow round: run only when needed
+    return jax.lax.cond(sizes.sum() > 256, lambda: tm.grouped_matmul(x, w, sizes), lambda: jnp.zeros_like(x))
+
+args = (spec((512, 256), jnp.bfloat16), spec((4, 256, 256), jnp.bfloat16), spec((4,), jnp.int32))
+for commands in ("FUSION,CUSTOM_CALL,CONDITIONAL,WHILE", "FUSION,CUSTOM_CALL"):
+    options = {"xla_gpu_enable_command_buffer": commands, "xla_gpu_graph_min_graph_size": 1}
+    with answering_device_queries(target, device), tempfile.TemporaryDirectory() as folder:
+        jax.jit(overflow_round).lower(*args).compile(compiler_options=options | {"xla_dump_to": folder})
+        print(len(read_dump(Path(folder))))
+"""
+
+
+@pytest.mark.parametrize("target", ["h100", "gb200"])
+def test_a_conditional_around_the_kernels_runs_in_a_command_buffer(target):
+    """With the recipes' command buffers (``CONDITIONAL``, ``WHILE``) XLA:GPU puts a conditional
+    around tokamax's kernels (Mosaic GPU custom calls, Triton) in a CUDA graph, which decides it on
+    the device; without ``CONDITIONAL`` it is a thunk of its own, decided on the host."""
+    assert compiled_script(CONDITIONAL, target)[-2:] == ["0", "1"]

@@ -24,8 +24,10 @@ also corrects for ``while`` loops, counted once by XLA's cost analysis).
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -35,6 +37,7 @@ from MaxText.aot.hlo_stats import hlo_stats
 from MaxText.aot.overlap import overlap
 from MaxText.aot.report import AotReport, Choices
 from MaxText.aot.targets import GpuTarget, answering_device_queries
+from MaxText.aot.thunks import read_dump
 from MaxText.config import Config, ConfigError
 from MaxText.layers.attention_ops import ATTENTION_SCOPE, resolve_attention
 from MaxText.models.accounting import count_parameters, train_flops
@@ -257,6 +260,16 @@ def compile_train_step(config: Config, devices: list | None = None, target: GpuT
         return _compile(*for_gpu_compile(config), list(devices), target)
 
 
+def _compile_lowered(lowered: jax.stages.Lowered, dump_thunks: bool) -> tuple[jax.stages.Compiled, set[str] | None]:
+    """The compiled program, and for a GPU target the loops and conditionals its runtime decides
+    on the host (``thunks.py``, from XLA's dump of the thunk sequence; None without one)."""
+    if not dump_thunks:
+        return lowered.compile(), None
+    with tempfile.TemporaryDirectory(prefix="aot-dump-") as folder:
+        compiled = lowered.compile(compiler_options={"xla_dump_to": folder})
+        return compiled, read_dump(Path(folder))
+
+
 def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget | None):
     mesh = make_mesh(config, devices)
     model = DeepSeekV3(config)
@@ -272,7 +285,8 @@ def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget |
         t0 = time.perf_counter()
         lowered = step.lower(state, batch)
         t1 = time.perf_counter()
-        compiled = lowered.compile()  # custom partitioning (cuDNN attention) calls back into Python here
+        # custom partitioning (cuDNN attention) calls back into Python here
+        compiled, host_decided = _compile_lowered(lowered, dump_thunks=target is not None)
         t2 = time.perf_counter()
     memory = compiled_memory(compiled)
     cost = compiled.cost_analysis()
@@ -280,7 +294,7 @@ def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget |
     block_trips = balanced_block_trips(config, routed_per_device, ep)
     expert_rows = balanced_expert_rows(config, routed_per_device)
     text = compiled.as_text()
-    stats = hlo_stats(text, dict(mesh.shape), block_trips, SCOPES, expert_rows)
+    stats = hlo_stats(text, dict(mesh.shape), block_trips, SCOPES, expert_rows, host_decided)
     tokens = config.global_batch_size(len(devices)) * config.max_target_length
     expected = {k: v / len(devices) for k, v in expected_step_flops(config, tokens).items()}
     state_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))

@@ -12,8 +12,9 @@ the 671B is well under 1% of the step.
 
 Control flow that depends on the data costs a host round-trip on XLA:GPU (it reads a loop's
 condition or a conditional's predicate on the host: a device-to-host copy and a stream
-synchronisation) unless XLA can count the loop's trips; ``host_syncs`` counts both per step, by
-named scope. Two kinds of such control flow are counted as balanced routing runs them: of a
+synchronisation) unless XLA can count the loop's trips or runs it inside a command buffer (a CUDA
+graph decides it on the device: ``thunks.py``); ``host_syncs`` counts the rest per step, by named
+scope. Two kinds of such control flow are counted as balanced routing runs them: of a
 ``conditional`` only its cheapest branch (the expert-parallel overflow rounds run only when a
 device pair overflows its slots), and a loop whose trip count is data-dependent (the blocked MoE
 backend's loop over blocks) by a caller-supplied estimate (``dynamic_trips``).
@@ -375,9 +376,12 @@ def hlo_stats(
     dynamic_trips: DynamicTrips | None = None,
     scopes: tuple[str, ...] = (),
     ragged_rows: RaggedRows | None = None,
+    host_decided: set[str] | None = None,
 ) -> HloStats:
     """FLOPs, collectives and loops of a compiled program; ``scopes`` names JAX named scopes
-    (carried in each op's name) whose matmul FLOPs are also reported apart."""
+    (carried in each op's name) whose matmul FLOPs are also reported apart. ``host_decided``
+    names the loops and conditionals the GPU runtime decides on the host (``thunks.py``; the
+    others run inside command buffers): only those count as host round-trips (None: all)."""
     comps = parse_computations(text)
     types = {i.name: i.result for instrs in comps.values() for i in instrs}
     mult, loops = multiplicities(comps, types, dynamic_trips)
@@ -407,7 +411,10 @@ def hlo_stats(
         if not times:
             continue
         for instr in instrs:
-            if (instr.opcode == "while" and not _trip_count(instr, comps)) or instr.opcode == "conditional":
+            data_dependent = instr.opcode == "conditional" or (
+                instr.opcode == "while" and not _trip_count(instr, comps)
+            )
+            if data_dependent and (host_decided is None or instr.name in host_decided):
                 where = op_name(instr) or caller_name(name)
                 key = next((s for s in scopes if f"/{s}/" in where), _short(where))
                 entry = host_syncs.setdefault(key, {"while": 0, "conditional": 0})

@@ -35,6 +35,9 @@ from MaxText.planner.systems import SYSTEMS, System
 from MaxText.train.metrics import HBM_GB
 
 GB = 1e9
+# The CUDA runtime and driver a GPU run has: JAX's CUDA 13 plugin (requirements-gpu.txt), whose
+# wheels need a 13.x driver.
+CUDA_VERSION = "13.0.0"
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,11 @@ class GpuTarget:
         """The ``GpuTargetConfigProto`` text. Per-SM limits are those of compute capability 9.0
         and 10.x alike (CUDA programming guide: 228 KB shared memory per SM, 227 KB per block
         opted in, 64 K registers, 2,048 threads); ``ACCELERATED_FEATURES`` asks for the
-        architecture-specific instructions (sm_90a, sm_100a: wgmma, tcgen05) a shipping build uses."""
+        architecture-specific instructions (sm_90a, sm_100a: wgmma, tcgen05) a shipping build uses.
+        The CUDA runtime and driver versions are those the GPU set installs (``CUDA_VERSION``):
+        left out, XLA takes them for older than 12.3 and keeps every ``while`` and
+        ``conditional`` out of command buffers (CUDA graphs' device-side control flow needs 12.3),
+        a different program from the one the GPU runs."""
         major, minor = self.compute_capability
         return f"""
 gpu_device_info {{
@@ -92,6 +99,9 @@ gpu_device_info {{
   device_memory_size: {int(self.hbm_bytes)}
   registers_per_core_limit: 65536
   registers_per_block_limit: 65536
+  runtime_version: "{CUDA_VERSION}"
+  driver_version: "{CUDA_VERSION}"
+  compile_time_toolkit_version: "{CUDA_VERSION}"
   cuda_compute_capability {{ major: {major} minor: {minor} feature_extension: ACCELERATED_FEATURES }}
   device_interconnect_info {{ active_links: 18 }}
   name: "NVIDIA {self.description}"

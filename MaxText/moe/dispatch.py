@@ -14,6 +14,7 @@ P padded rows, D feature dim.
 """
 
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -172,35 +173,82 @@ def combine_blocks(yp_PD: jax.Array, weights_TK: jax.Array, layout: BlockLayout)
 # One loop over the further rounds, or (True) each round its own ops. XLA:CPU's in-process
 # collectives can race when devices fall out of step in a loop of collectives (a device enters
 # the next iteration's rendezvous before another has left the last one, and the process aborts),
-# so the CPU tests of the exchange unroll; unrolled, the 4-layer 671B's temp rose from 52.4 to
-# 77.7 GB, so the loop is what runs.
+# so the CPU tests of the exchange unroll; unrolled, XLA:GPU holds more of the rounds' buffers at
+# once (the 4-layer 671B on GB200: 41.6 GB of temp against 27.5), so the loop is what runs.
 UNROLL_ROUNDS = False
 
 
 def in_rounds(round_fn: Callable[[jax.Array | int], jax.Array], load: jax.Array, per_round: int, rounds: int):
     """``round_fn(0)`` plus the further rounds ``1 .. rounds - 1`` that ``load`` items, taken
-    ``per_round`` at a time, need. Buffers are sized for one round; the extra rounds run only
-    when ``load > per_round`` (one ``lax.cond``), each skipped once the load is covered and
-    rematerialised in the backward pass, so they keep no residuals. Nothing is dropped: an
-    overflow costs time, not memory."""
+    ``per_round`` at a time, need. Buffers are sized for one round; nothing is dropped: an
+    overflow costs time, not memory.
+
+    The further rounds run in a loop of a fixed trip count, each under a ``lax.cond`` that skips
+    it once the load is covered, and the whole loop under one that skips it when the first round
+    holds everything: no loop waits on a data-dependent condition, and with XLA:GPU's command
+    buffers (``CONDITIONAL``, ``WHILE``) the conditionals are decided on the device. Their VJP
+    (``_further_rounds``) reruns each needed round in a loop of the same shape, so no round keeps
+    residuals and none are stacked per iteration (which XLA would slice per iteration, keeping
+    the backward loop out of a command buffer)."""
     y = round_fn(0)
     if rounds == 1:
         return y
-    nothing = lambda *_: jnp.zeros_like(y)  # noqa: E731
+    # The further rounds' function with every value it closes over made an input (the custom VJP
+    # runs it outside this trace), traced once.
+    closed = jax.make_jaxpr(round_fn)(jnp.int32(1))
+    fn = partial(_eval_round, closed.jaxpr)
+    return y + _further_rounds(fn, per_round, rounds, load, *closed.consts)
 
-    # Rematerialised around the cond: a cond's residuals inside a scan are stacked per iteration
-    # (the experts' weights once per round); a checkpoint's are its inputs, kept once.
-    @jax.checkpoint
-    def round_if_needed(r):
-        return jax.lax.cond(r * per_round < load, round_fn, nothing, r)
 
-    def more_rounds():
-        def body(acc, r):
-            return acc + round_if_needed(r), None
+def _eval_round(jaxpr, r, *consts):
+    return jax.core.eval_jaxpr(jaxpr, consts, r)[0]
 
-        return jax.lax.scan(body, nothing(), jnp.arange(1, rounds), unroll=UNROLL_ROUNDS)[0]
 
-    return y + jax.lax.cond(load > per_round, more_rounds, nothing)
+def _for_needed_rounds(round_fn: Callable, zeros: Callable, load: jax.Array, per_round: int, rounds: int):
+    """The sum of ``round_fn(r)`` over the rounds ``1 .. rounds - 1`` that ``load`` needs."""
+
+    def body(r, total):
+        needed = jax.lax.cond(r * per_round < load, round_fn, lambda _: zeros(), r)
+        return jax.tree.map(jnp.add, total, needed)
+
+    def all_rounds():
+        return jax.lax.fori_loop(1, rounds, body, zeros(), unroll=UNROLL_ROUNDS)
+
+    return jax.lax.cond(load > per_round, all_rounds, zeros)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _further_rounds(fn: Callable, per_round: int, rounds: int, load: jax.Array, *consts) -> jax.Array:
+    out = jax.eval_shape(fn, jnp.int32(1), *consts)
+    zeros = lambda: jnp.zeros(out.shape, out.dtype)  # noqa: E731
+    return _for_needed_rounds(lambda r: fn(r, *consts), zeros, load, per_round, rounds)
+
+
+def _further_rounds_fwd(fn, per_round, rounds, load, *consts):
+    return _further_rounds(fn, per_round, rounds, load, *consts), (load, consts)
+
+
+def _further_rounds_bwd(fn, per_round, rounds, residuals, dy):
+    """Each needed round's VJP, the round rerun inside it; integer inputs get no cotangent."""
+    load, consts = residuals
+    wrt = [i for i, c in enumerate(consts) if jnp.issubdtype(c.dtype, jnp.inexact)]
+
+    def round_grads(r):
+        def of_differentiable(*args):
+            full = list(consts)
+            for i, a in zip(wrt, args, strict=True):
+                full[i] = a
+            return fn(r, *full)
+
+        return jax.vjp(of_differentiable, *(consts[i] for i in wrt))[1](dy)
+
+    zeros = lambda: tuple(jnp.zeros_like(consts[i]) for i in wrt)  # noqa: E731
+    grads = _for_needed_rounds(round_grads, zeros, load, per_round, rounds)
+    by_index = dict(zip(wrt, grads, strict=True))
+    return (None, *(by_index.get(i) for i in range(len(consts))))
+
+
+_further_rounds.defvjp(_further_rounds_fwd, _further_rounds_bwd)
 
 
 def combine(y_TKD: jax.Array, weights_TK: jax.Array) -> jax.Array:
