@@ -380,8 +380,8 @@ def check_rules(c: Config) -> None:
             c.moe_matmul in ("auto", "blocked"),
             "moe_matmul",
             f"{c.moe_matmul} has no FP8 path (quantization={c.quantization}); blocked runs the routed experts' "
-            "FP8 GEMMs (ragged_dot's weight gradient would tile tokens across experts; Transformer Engine's "
-            "MXFP8 grouped GEMM is not wired in yet)",
+            "FP8 GEMMs (ragged_dot's weight gradient would tile tokens across experts; tokamax's quantized "
+            "kernels and Transformer Engine's MXFP8 grouped GEMM do not run this repository's recipes)",
         )
         _require(
             c.fp8_gemm != "cudnn" or c.quantization == "mxfp8",
