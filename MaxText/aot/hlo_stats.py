@@ -34,7 +34,7 @@ as the matmuls a flash kernel runs, forward ``QK^T`` and ``PV``, backward ``QK^T
 So do the grouped GEMM kernels of ``moe_matmul: tokamax`` (Mosaic GPU ``mosaic_gpu_v2`` or
 Triton custom calls, told apart by tokamax's ragged-dot op in their op name): ``2 x rows x K x N``
 from their operand and result shapes, where ``rows`` is how many of the layout's rows fall in the
-groups, a runtime value; a caller-supplied estimate (``ragged_rows``, balanced routing) gives it,
+groups, a runtime value; a caller-supplied estimate (``expert_rows``, balanced routing) gives it,
 all rows without one. Other custom calls that look like matmuls (cuBLAS, cuDNN, GEMM) are listed
 by target (``uncounted``), not guessed.
 """
@@ -65,8 +65,8 @@ DTYPE_BYTES = {
 LARGEST = 12  # the biggest single collectives reported, with the JAX op each came from
 # (dims every matmul of a data-dependent loop has, dims any of them has) -> the loop's trip count
 DynamicTrips = Callable[[set[int], set[int]], float]
-# a grouped GEMM's rows (the layout's, padding included) -> the rows its groups cover
-RaggedRows = Callable[[int], float]
+# a grouped GEMM's rows (the layout's, padding included) -> the rows its groups cover (at most those)
+ExpertRows = Callable[[int], float]
 RAGGED_DOT_OP = "RaggedDot"  # in the op name of tokamax's ragged-dot kernels
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
@@ -271,10 +271,10 @@ def _fmha_flops(instr: Instr) -> float:
     return 2.0 * pairs * ((3 * dqk + 2 * dv) if backward else (dqk + dv))
 
 
-def _ragged_dot_flops(instr: Instr, ragged_rows: RaggedRows | None) -> float:
+def _ragged_dot_flops(instr: Instr, expert_rows: ExpertRows | None) -> float:
     """A grouped GEMM's FLOPs from its two floating-point operands and its result: [M, K] x
     [G, K, N] (or [G, N, K]) -> [M, N] (forward, input gradient), or [M, K] (or [K, M]) x [M, N]
-    -> [G, K, N] (weight gradient); the M rows counted as ``ragged_rows`` says."""
+    -> [G, K, N] (weight gradient); the M rows counted as ``expert_rows`` says."""
     key = "operand_layout_constraints="
     start = instr.rest.find(key)
     shapes = _SHAPE.findall(_braced(instr.rest, start + len(key))) if start >= 0 else []
@@ -288,17 +288,17 @@ def _ragged_dot_flops(instr: Instr, ragged_rows: RaggedRows | None) -> float:
     else:
         _, K, N = out
         M = math.prod(floats[0]) // max(K, 1)
-    rows = min(M, ragged_rows(M)) if ragged_rows else M
+    rows = expert_rows(M) if expert_rows else M
     return 2.0 * rows * K * N
 
 
-def custom_call_flops(instr: Instr, ragged_rows: RaggedRows | None = None) -> float | None:
+def custom_call_flops(instr: Instr, expert_rows: ExpertRows | None = None) -> float | None:
     """Matmul FLOPs of a custom call this module knows, None for one it does not."""
     target = _TARGET.search(instr.rest)
     if target and target.group(1).startswith("__cudnn$fmha"):
         return _fmha_flops(instr)
     if RAGGED_DOT_OP in op_name(instr):
-        return _ragged_dot_flops(instr, ragged_rows)
+        return _ragged_dot_flops(instr, expert_rows)
     return None
 
 
@@ -375,7 +375,7 @@ def hlo_stats(
     mesh_shape: dict[str, int],
     dynamic_trips: DynamicTrips | None = None,
     scopes: tuple[str, ...] = (),
-    ragged_rows: RaggedRows | None = None,
+    expert_rows: ExpertRows | None = None,
     host_decided: set[str] | None = None,
 ) -> HloStats:
     """FLOPs, collectives and loops of a compiled program; ``scopes`` names JAX named scopes
@@ -422,7 +422,7 @@ def hlo_stats(
                 continue
             if instr.opcode in ("dot", "convolution", "custom-call"):
                 if instr.opcode == "custom-call":
-                    counted = custom_call_flops(instr, ragged_rows)
+                    counted = custom_call_flops(instr, expert_rows)
                 else:
                     counted = matmul_flops(instr, types)
                 target = _TARGET.search(instr.rest)

@@ -38,8 +38,8 @@ import numpy as np
 from MaxText.aot.hlo_stats import (
     CALLEE,
     DynamicTrips,
+    ExpertRows,
     Instr,
-    RaggedRows,
     collective_bytes,
     custom_call_flops,
     dims_of,
@@ -139,7 +139,14 @@ def _body(instr: Instr) -> str:
 
 class _CostModel:
     def __init__(
-        self, comps, types, trips, system: System, domain_of: np.ndarray, ragged_rows: int | None, expert_rows=None
+        self,
+        comps,
+        types,
+        trips,
+        system: System,
+        domain_of: np.ndarray,
+        ragged_rows: int | None,
+        expert_rows: ExpertRows | None = None,
     ):
         self.comps, self.types, self.trips, self.expert_rows = comps, types, trips, expert_rows
         self.flops_per_s = system.peak_flops("bf16") * GEMM_EFFICIENCY["dense"]["bf16"]
@@ -285,12 +292,12 @@ def overlap(
     domain_of: np.ndarray,
     ragged_rows: int | None = None,
     dynamic_trips: DynamicTrips | None = None,
-    expert_rows: RaggedRows | None = None,
+    expert_rows: ExpertRows | None = None,
 ) -> OverlapReport:
     """The overlap of every asynchronous collective in a scheduled GPU program. ``domain_of[p]`` is
     the NVLink domain of partition p (the mesh's p-th device); ``ragged_rows`` the rows a
     ragged-all-to-all moves under balanced routing (None: its whole buffer); ``expert_rows`` the
-    rows a grouped GEMM kernel computes (``hlo_stats.RaggedRows``)."""
+    rows a grouped GEMM kernel computes (``hlo_stats.ExpertRows``)."""
     comps = parse_computations(text)
     types = {i.name: i.result for instrs in comps.values() for i in instrs}
     mult, loops = multiplicities(comps, types, dynamic_trips)

@@ -20,14 +20,14 @@ import re
 from pathlib import Path
 
 _THUNK = re.compile(r"^(\s*)(\d+): (k\w+)")
-_METADATA = re.compile(r'profile_annotation: "([^"]*)"\s*thunk_id: (\d+)\s*\}\s*thunk_kind: "(k\w+)"')
+_METADATA = re.compile(r'profile_annotation: "([^"]*)"\s*thunk_id: (\d+)')
 CONTROL_FLOW = ("kWhile", "kConditional")
 
 
 def host_decided(sequence: str, metadata: str) -> set[str]:
     """HLO instruction names of the ``while`` and ``conditional`` thunks outside every command
     buffer (a loop's trip count may still be known: the caller tells those apart)."""
-    names = {int(i): name for name, i, _ in _METADATA.findall(metadata)}
+    names = {int(i): name for name, i in _METADATA.findall(metadata)}
     found, stack = set(), []  # stack: (indent, kind) of the thunks enclosing the current line
     for line in sequence.splitlines():
         m = _THUNK.match(line)

@@ -196,11 +196,11 @@ def in_rounds(round_fn: Callable[[jax.Array | int], jax.Array], load: jax.Array,
     # The further rounds' function with every value it closes over made an input (the custom VJP
     # runs it outside this trace), traced once.
     closed = jax.make_jaxpr(round_fn)(jnp.int32(1))
-    fn = partial(_eval_round, closed.jaxpr)
-    return y + _further_rounds(fn, per_round, rounds, load, *closed.consts)
+    return y + _further_rounds(closed.jaxpr, per_round, rounds, load, *closed.consts)
 
 
-def _eval_round(jaxpr, r, *consts):
+def _round(jaxpr, r, *consts):
+    """Round ``r`` of the traced round function, given the values it closed over."""
     return jax.core.eval_jaxpr(jaxpr, consts, r)[0]
 
 
@@ -218,17 +218,17 @@ def _for_needed_rounds(round_fn: Callable, zeros: Callable, load: jax.Array, per
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _further_rounds(fn: Callable, per_round: int, rounds: int, load: jax.Array, *consts) -> jax.Array:
-    out = jax.eval_shape(fn, jnp.int32(1), *consts)
+def _further_rounds(jaxpr, per_round: int, rounds: int, load: jax.Array, *consts) -> jax.Array:
+    out = jaxpr.outvars[0].aval
     zeros = lambda: jnp.zeros(out.shape, out.dtype)  # noqa: E731
-    return _for_needed_rounds(lambda r: fn(r, *consts), zeros, load, per_round, rounds)
+    return _for_needed_rounds(lambda r: _round(jaxpr, r, *consts), zeros, load, per_round, rounds)
 
 
-def _further_rounds_fwd(fn, per_round, rounds, load, *consts):
-    return _further_rounds(fn, per_round, rounds, load, *consts), (load, consts)
+def _further_rounds_fwd(jaxpr, per_round, rounds, load, *consts):
+    return _further_rounds(jaxpr, per_round, rounds, load, *consts), (load, consts)
 
 
-def _further_rounds_bwd(fn, per_round, rounds, residuals, dy):
+def _further_rounds_bwd(jaxpr, per_round, rounds, residuals, dy):
     """Each needed round's VJP, the round rerun inside it; integer inputs get no cotangent."""
     load, consts = residuals
     wrt = [i for i, c in enumerate(consts) if jnp.issubdtype(c.dtype, jnp.inexact)]
@@ -238,7 +238,7 @@ def _further_rounds_bwd(fn, per_round, rounds, residuals, dy):
             full = list(consts)
             for i, a in zip(wrt, args, strict=True):
                 full[i] = a
-            return fn(r, *full)
+            return _round(jaxpr, r, *full)
 
         return jax.vjp(of_differentiable, *(consts[i] for i in wrt))[1](dy)
 

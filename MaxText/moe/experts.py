@@ -165,7 +165,7 @@ def resolve_backend(
     if fp8:
         return "blocked"
     if platform in GPU_PLATFORMS:
-        return "tokamax" if dtype in ("auto", "bfloat16") else "blocked"
+        return "tokamax" if dtype in tokamax_matmul.DTYPES else "blocked"
     return "ragged_dot" if platform == "tpu" else "blocked"
 
 
@@ -183,9 +183,10 @@ def resolve_exchange(name: str, platform: str | None = None, te: bool | None = N
 def check_backend(config: Config, platform: str) -> None:
     """Fail early, saying what to install or choose instead, when the chosen backend or
     expert-parallel exchange cannot run here."""
-    if config_backend(config, platform) == "tokamax":
+    backend = config_backend(config, platform)
+    if backend == "tokamax":
         _check_tokamax(config, platform)
-    if config_backend(config, platform) == "te" and (reason := transformer_engine_error()):
+    if backend == "te" and (reason := transformer_engine_error()):
         raise ConfigError(
             f"config key 'moe_matmul': 'te' needs Transformer Engine for JAX, which does not import here ({reason}); "
             "install requirements-gpu.txt in a CUDA image (docker/Dockerfile.gpu) or choose blocked/ragged_dot"
@@ -202,7 +203,7 @@ def check_backend(config: Config, platform: str) -> None:
             f"here ({reason}); install requirements-gpu.txt in a CUDA image (docker/Dockerfile.gpu) or choose "
             "ragged_all_to_all/all_to_all/allgather"
         )
-    blocked = config_backend(config, platform) == "blocked"
+    blocked = backend == "blocked"
     if exchange == "te" and blocked and ALIGN_ROWS % config.moe_min_block_rows:
         raise ConfigError(
             f"config key 'moe_min_block_rows': must divide {ALIGN_ROWS} (moe_ep_comm=te pads each expert's "
@@ -218,7 +219,7 @@ def _check_tokamax(config: Config, platform: str) -> None:
         )
     if reason := tokamax_matmul.import_error():
         raise ConfigError(f"config key 'moe_matmul': tokamax does not import here ({reason}); install requirements.txt")
-    if config.dtype not in ("auto", "bfloat16"):
+    if config.dtype not in tokamax_matmul.DTYPES:
         raise ConfigError(
             f"config key 'moe_matmul': tokamax's kernels take bfloat16 operands, and dtype is {config.dtype}; "
             "set dtype=bfloat16 or choose blocked"

@@ -34,6 +34,8 @@ import jax.numpy as jnp
 ROW_ALIGN = 256
 # Matrix dims: a multiple of DIM_ALIGN and at least DIM_MIN.
 DIM_ALIGN, DIM_MIN = 64, 128
+# The ``dtype`` values whose operands the Mosaic kernels take (16-bit; ``auto`` is bfloat16 on GPU).
+DTYPES = ("auto", "bfloat16")
 
 
 @dataclass(frozen=True)
