@@ -33,8 +33,6 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
-
 from MaxText.aot.targets import TARGETS  # noqa: E402  (imports no JAX: XLA_FLAGS are set below first)
 
 WARNING_PATTERN = "Involuntary full rematerialization"

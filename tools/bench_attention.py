@@ -24,9 +24,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -21,7 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import flax.linen as nn  # noqa: E402

@@ -21,9 +21,7 @@ import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from MaxText.config import Config, ConfigError, load_config_or_exit  # noqa: E402

@@ -49,10 +49,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NamedTuple
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # host arrays only
 
 from MaxText.checkpointing import CheckpointError  # noqa: E402

@@ -14,8 +14,6 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
-
 import numpy as np  # noqa: E402
 
 

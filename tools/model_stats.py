@@ -14,9 +14,7 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # only shapes are traced: never claim an accelerator
 
 from MaxText.config import Config, load_config_or_exit  # noqa: E402

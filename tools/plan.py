@@ -21,7 +21,6 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # only shapes are traced: never claim an accelerator
 
 import yaml  # noqa: E402

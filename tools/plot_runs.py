@@ -18,8 +18,6 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
-
 from MaxText.train.metrics import read_metrics, step_records  # noqa: E402
 from MaxText.train.plots import metric_series, plot_runs  # noqa: E402
 

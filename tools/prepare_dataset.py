@@ -20,8 +20,6 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
-
 from MaxText.data.text_dataset import (  # noqa: E402
     TEXT_FEATURE,
     VERSION,
