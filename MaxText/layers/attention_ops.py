@@ -12,8 +12,8 @@ mask and a document mask from the segment ids (a key is visible when its id equa
 - ``cudnn``: cuDNN's fused flash attention, called through JAX's cuDNN entry
   (``jax._src.cudnn.fused_attention_stablehlo``), which takes MLA's unequal head dims (qk 192,
   v 128; cuDNN >= 9.10 on Hopper and later): the public ``jax.nn.dot_product_attention`` wants
-  values as wide as keys, and zero-padding them costs +50% value-matmul work (1.2x the causal
-  attention FLOPs of the 671B, measured in its GPU compile). Documents are a boolean [B, 1, S, T]
+  values as wide as keys, and zero-padding them costs half as much again of the value matmul's work
+  (qk 192 against v 128). Documents are a boolean [B, 1, S, T]
   mask (cuDNN turns it into a bias: O(S^2) per sequence, not per head). GPU only, bfloat16/float16
   only, head dims <= 256 and multiples of 8.
 - ``te``: Transformer Engine's fused attention (cuDNN underneath) in its packed THD layout: the

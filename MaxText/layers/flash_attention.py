@@ -23,11 +23,8 @@ forward's worth of matmuls.
 The loops are sequential over query blocks (``lax.scan``) and key blocks (``lax.fori_loop`` with
 a trip count that depends on the query block); each step is a batched matmul over B x H.
 
-Measured (``tools/bench_attention.py``, CPU, float32, fwd+bwd, qk 192, v 128, S 4096, H 2):
-0.28x dot's time and 0.046x its compiled memory with 256-row blocks; 128 was as fast, 512 and
-1024 slower (0.33x, 0.44x) and bigger (0.064x, 0.127x). At the 671B shape (H 128, compiled only)
-34.2 GB for dot against 1.57 GB, most of it q, k, v and their gradients. Not measured on a GPU,
-where the fused kernels (``cudnn``, ``te``) are the default and larger blocks may pay off.
+``tools/bench_attention.py`` times it against ``dot`` (its figures are in docs/LOG.md). On a GPU
+the fused kernels (``cudnn``, ``te``) are the default.
 
 Shape legend: B batch, S query positions, T key positions, H heads, K qk head dim, V value head
 dim, Q a query block, C a key block.

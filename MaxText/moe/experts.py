@@ -13,8 +13,8 @@ three of them; ``blocked`` fuses the whole SwiGLU into one loop over blocks.
   which XLA:GPU reads on the host every iteration.
 - ``ragged_dot``: XLA's grouped matmul over the sorted, unpadded layout. A real grouped matmul
   on TPU; XLA:GPU (jaxlib 0.10.2) rewrites it into one dense matmul over every local expert
-  (the rows masked per expert), so it does ``E_local`` x the expert FLOPs there (4x on the 671B
-  at 64-way expert parallelism, measured in its GPU compile: ``tools/aot_compile.py --target``).
+  (the rows masked per expert), so it does ``E_local`` x the expert FLOPs there
+  (``tools/aot_compile.py --target`` shows it).
 - ``te``: Transformer Engine's grouped GEMM (GPU; imported only when chosen). Never ``auto``'s
   choice: it copies the group sizes to the host every call (a stream synchronisation), and it has
   not run in this repository's tests.

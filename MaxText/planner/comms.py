@@ -21,7 +21,7 @@ bandwidth terms of the standard algorithms (latency terms are negligible at thes
   (again when ``vocab_chunks`` > 1 recomputes it) and reduce-scatters their gradient (float32), once
   for the main model and once per MTP depth: ``(n-1) t D`` elements per GPU each. The group is what
   ``vocab_parallel_axes: auto`` takes on GPU, the batch axes inside a domain, for every layout
-  costed (measured: 45 GB per step at n = 64 for the 671B, XLA:GPU's compile).
+  costed (the compiled figure is in docs/LOG.md).
 
 Passes: dispatch and combine run forward and backward (4 exchanges per MoE layer); with ``full``
 remat Megatron's recompute reruns both (6). This repository's exchange rematerialises its rounds

@@ -1,4 +1,4 @@
-"""Entry point: ``python -m MaxText.train [extra.yml ...] key=value ...``.
+"""Entry point: ``python -m MaxText.train [extra.yml ...] key=value ...`` (``--help``, ``--help-keys``).
 
 Bad configuration (or a run that cannot fit its devices' memory) exits with code 2 and one line
 naming the key; a run a guard stops (too many non-finite steps in a row) exits with code 3 and one
@@ -11,12 +11,35 @@ from MaxText.config import ConfigError, load_config_or_exit
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] in (["--help"], ["-h"]):
+        from MaxText.config_help import usage
+
+        print(usage())
+        return 0
+    if argv[:1] == ["--help-keys"]:
+        from MaxText.config_help import help_keys
+
+        text, code = help_keys(argv[1] if len(argv) > 1 else None)
+        print(text, file=sys.stderr if code else sys.stdout)
+        return code
     config = load_config_or_exit(argv)
 
+    import jax
+
+    from MaxText.parallel.devices import cpu_with_gpu_warning, device_line, run_devices, visible_gpus
     from MaxText.parallel.distributed import initialize_distributed, select_platform
 
     select_platform(config)
     initialize_distributed(config)
+    try:
+        devices = run_devices(config)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if jax.process_index() == 0:
+        print(device_line(devices), flush=True)
+        if warning := cpu_with_gpu_warning(config, devices[0].platform, visible_gpus()):
+            print(warning, file=sys.stderr, flush=True)
     from MaxText.checkpointing import CheckpointError
     from MaxText.train.health import EXIT_HALTED, TrainingHalted
     from MaxText.train.loop import train
