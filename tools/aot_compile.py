@@ -1,7 +1,8 @@
-"""Compile the real train step for a cluster's mesh and report, per GPU, XLA's memory, FLOPs and
-collectives (and, for a GPU target, how much communication its schedule hides); for a GPU target,
-exit 1 if it does not fit the share of HBM JAX's allocator takes; 2 for a config or choice that
-cannot be compiled. (XLA:CPU's figure is an upper bound: past the HBM it is reported, not failed.)
+"""Compile the real train step for a cluster's mesh and report XLA's memory, FLOPs and collectives per GPU.
+
+For a GPU target the report also says how much communication its schedule hides, and the tool exits
+1 if the step does not fit the share of HBM JAX's allocator takes; it exits 2 for a config or choice
+that cannot be compiled. (XLA:CPU's figure is an upper bound: past the HBM it is reported, not failed.)
 
     python tools/aot_compile.py --target gb200 --recipe recipes/slurm/deepseek3-671b-gb200-nvl72.sbatch
     python tools/aot_compile.py --recipe recipes/slurm/deepseek3-671b-gb200-nvl72.sbatch   # XLA:CPU
@@ -50,18 +51,32 @@ NO_ALL_REDUCE_PROMOTION = "--xla_disable_hlo_passes=all-reduce-promotion"
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("config", nargs="*", help="[extra.yml ...] key=value ... (as for training)")
-    parser.add_argument("--recipe", type=Path, help="a recipes/slurm/*.sbatch or recipes/k8s/*.yaml file")
-    parser.add_argument("--devices", type=int, default=0, help="devices to compile for (default: the recipe's GPUs)")
     parser.add_argument(
-        "--target", choices=sorted(TARGETS), help="compile with XLA:GPU for this GPU (default: XLA:CPU)"
+        "config",
+        nargs="*",
+        help="Config arguments as for training ([extra.yml ...] key=value ...), after a recipe's own.",
     )
     parser.add_argument(
-        "--device-kind", help="GB200, GB300, B200, H200, H100: its HBM is the limit (default: the target's)"
+        "--recipe",
+        type=Path,
+        help="A recipes/slurm/*.sbatch or recipes/k8s/*.yaml file: its training arguments, XLA flags and GPU count.",
     )
-    parser.add_argument("--hbm-gb", type=float, help="HBM per device in GB (overrides --device-kind)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
-    parser.add_argument("--dump-hlo", type=Path, help="also write the optimized HLO text to this file")
+    parser.add_argument("--devices", type=int, default=0, help="Devices to compile for (default: the recipe's GPUs).")
+    parser.add_argument(
+        "--target",
+        choices=sorted(TARGETS),
+        help="Compile with XLA:GPU for this GPU (default: XLA:CPU on simulated devices).",
+    )
+    parser.add_argument(
+        "--device-kind",
+        help="GB200, GB300, B200, H200 or H100: the GPU whose HBM is the limit "
+        "(default: the target's, else the one the recipe's file name names).",
+    )
+    parser.add_argument(
+        "--hbm-gb", type=float, help="HBM per device in GB, the limit as given (overrides --device-kind)."
+    )
+    parser.add_argument("--json", action="store_true", help="Print one JSON object instead of the report.")
+    parser.add_argument("--dump-hlo", type=Path, help="Also write the optimized HLO text to this file.")
     args = parser.parse_args(argv)
     if not args.devices and not args.recipe:
         parser.error("give --devices N or --recipe PATH")

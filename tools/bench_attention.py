@@ -35,16 +35,46 @@ from MaxText.layers.attention_ops import attend  # noqa: E402
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, default=1024, help="S, positions per row")
-    parser.add_argument("--heads", type=int, default=2, help="H, attention heads")
-    parser.add_argument("--batch", type=int, default=1, help="B, rows")
-    parser.add_argument("--documents", type=int, default=3, help="documents packed in each row (then padding)")
-    parser.add_argument("--blocks", type=int, nargs="+", default=[256, 512], help="flash block sizes to time")
-    parser.add_argument("--backends", nargs="+", default=["dot", "flash"], choices=["dot", "flash", "cudnn", "te"])
-    parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per case after a warm-up (0 = memory only)")
-    parser.add_argument("--max-dot-gb", type=float, default=8.0, help="only compile dot when it needs more")
-    parser.add_argument("--model", default="deepseek3-671b", help="model overlay giving the head dims")
+    parser.add_argument("--seq", type=int, default=1024, help="S, positions per row (default: %(default)s).")
+    parser.add_argument("--heads", type=int, default=2, help="H, attention heads (default: %(default)s).")
+    parser.add_argument("--batch", type=int, default=1, help="B, rows (default: %(default)s).")
+    parser.add_argument(
+        "--documents", type=int, default=3, help="Documents packed in each row, then padding (default: %(default)s)."
+    )
+    parser.add_argument(
+        "--blocks",
+        type=int,
+        nargs="+",
+        default=[256, 512],
+        help="Flash block sizes to time, square, one case each (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--backends",
+        nargs="+",
+        default=["dot", "flash"],
+        choices=["dot", "flash", "cudnn", "te"],
+        help="Attention backends to measure; the ratios and gradient errors are against dot (default: dot flash).",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="Dtype: auto (float32 on CPU, bfloat16 on GPU), float32 or bfloat16 (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="Timed runs per case after a warm-up; 0 = memory only (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--max-dot-gb",
+        type=float,
+        default=8.0,
+        help="Only compile dot, not run it, when it needs more GiB than this (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--model", default="deepseek3-671b", help="Model overlay giving the head dims (default: %(default)s)."
+    )
     return parser.parse_args(argv)
 
 

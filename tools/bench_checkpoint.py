@@ -39,8 +39,10 @@ from MaxText.train.step import jit_train_step  # noqa: E402
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("config", nargs="*", help="[extra.yml ...] key=value ... (as for training)")
-    parser.add_argument("--rounds", type=int, default=7, help="timed steps per case (the fastest is reported)")
+    parser.add_argument("config", nargs="*", help="Config arguments as for training ([extra.yml ...] key=value ...).")
+    parser.add_argument(
+        "--rounds", type=int, default=7, help="Timed steps per case; the fastest is reported (default: %(default)s)."
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")

@@ -29,10 +29,17 @@ from MaxText.config import Config, ConfigError, load_config_or_exit  # noqa: E40
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("config", nargs="*", help="[extra.yml ...] key=value ... (as for training)")
-    parser.add_argument("--seconds", type=float, default=5.0, help="how long to drain the pipeline")
-    parser.add_argument("--steps", type=int, default=30, help="training steps to time (after the first)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of lines of text")
+    parser.add_argument("config", nargs="*", help="Config arguments as for training ([extra.yml ...] key=value ...).")
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=5.0,
+        help="Seconds to drain the pipeline for, after its first batch (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=30, help="Training steps to run, timed after the first (default: %(default)s)."
+    )
+    parser.add_argument("--json", action="store_true", help="Print one JSON object instead of lines of text.")
     args = parser.parse_args(argv)
     if args.seconds <= 0 or args.steps < 2:
         parser.error("--seconds must be > 0 and --steps >= 2")

@@ -33,13 +33,30 @@ from MaxText.moe import tokamax_matmul as tm  # noqa: E402
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=32768, help="M, rows (token copies) of the layout")
-    parser.add_argument("--d-model", type=int, default=7168, help="D, model dim")
-    parser.add_argument("--ffn", type=int, default=2048, help="F, each expert's hidden dim")
-    parser.add_argument("--experts", type=int, default=32, help="E, groups (local experts)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--repeats", type=int, default=10, help="timed runs per case after one warm-up (fastest)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object to stdout (table to stderr)")
+    parser.add_argument(
+        "--rows", type=int, default=32768, help="M, rows (token copies) of the layout (default: %(default)s)."
+    )
+    parser.add_argument("--d-model", type=int, default=7168, help="D, model dim (default: %(default)s).")
+    parser.add_argument("--ffn", type=int, default=2048, help="F, each expert's hidden dim (default: %(default)s).")
+    parser.add_argument(
+        "--experts",
+        type=int,
+        default=32,
+        help="E, groups (local experts), each of --rows / --experts rows (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="Dtype of the GEMMs' operands (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=10,
+        help="Timed runs per case after one warm-up; the fastest is reported (default: %(default)s).",
+    )
+    parser.add_argument("--json", action="store_true", help="Print one JSON object to stdout (the table to stderr).")
     args = parser.parse_args(argv)
     if min(args.rows, args.d_model, args.ffn, args.experts, args.repeats) < 1:
         parser.error("sizes and --repeats must be >= 1")

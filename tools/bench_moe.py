@@ -30,8 +30,8 @@ Implementations: ``dropless`` (``moe_matmul=auto``, the training default: ``toka
 dropless row stands for the one it resolves to), ``capacity`` (``capacity_factor=1.25``, when the config and
 ``MaxText.moe.capacity`` provide it) and ``ceiling``. A case whose compiled program needs more memory
 than ``--max-gb`` is skipped with its size rather than run: on XLA:CPU ``ragged_dot`` is expanded over
-every expert, and the capacity baseline's one-hot [T, K, E, C] dispatch grows with (T*K)^2; both need
-well over 10 GB at the default shape. A case whose first run takes longer than ``--slow-s`` is
+every expert, and the capacity baseline's one-hot [T, K, E, C] dispatch grows with (T*K)^2, so both can
+pass the budget at the default shape. A case whose first run takes longer than ``--slow-s`` is
 reported from that one run.
 
 ``dropped_tokens`` counts the (token, expert) copies the implementation's layout does not hold:
@@ -72,33 +72,67 @@ GB = 1e9
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=4096, help="T, tokens in the batch")
-    parser.add_argument("--d-model", type=int, default=512, help="D, model dim")
-    parser.add_argument("--ffn", type=int, default=256, help="F, each expert's hidden dim")
-    parser.add_argument("--experts", type=int, default=64, help="E, routed experts")
-    parser.add_argument("--top-k", type=int, default=8, help="K, experts per token")
-    parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per case after one warm-up (fastest)")
+    parser.add_argument("--tokens", type=int, default=4096, help="T, tokens in the batch (default: %(default)s).")
+    parser.add_argument("--d-model", type=int, default=512, help="D, model dim (default: %(default)s).")
+    parser.add_argument("--ffn", type=int, default=256, help="F, each expert's hidden dim (default: %(default)s).")
+    parser.add_argument("--experts", type=int, default=64, help="E, routed experts (default: %(default)s).")
+    parser.add_argument("--top-k", type=int, default=8, help="K, experts per token (default: %(default)s).")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="Dtype: auto (float32 on CPU, bfloat16 on GPU), float32 or bfloat16 (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="Timed runs per case after one warm-up; the fastest is reported (default: %(default)s).",
+    )
     parser.add_argument(
         "--block-rows",
         type=int,
         nargs="+",
         default=[128, 256],
-        help="blocked backend: largest block sizes to try (the dropless row covers the config's own)",
+        help="Blocked backend: the largest block sizes to try, one case each; the dropless row covers the config's own "
+        "(default: %(default)s).",
     )
     parser.add_argument(
-        "--min-block-rows", type=int, default=32, help="blocked backend: smallest block, with --block-rows"
+        "--min-block-rows",
+        type=int,
+        default=32,
+        help="Blocked backend: the smallest block, with --block-rows (default: %(default)s).",
     )
     impls = ["dropless", *BACKENDS, "capacity", "ceiling"]
-    parser.add_argument("--impls", nargs="+", default=impls, choices=impls, help="the ceiling is always timed")
-    parser.add_argument("--routings", nargs="+", default=list(ROUTINGS), choices=ROUTINGS)
-    parser.add_argument("--max-gb", type=float, default=0.0, help="skip cases needing more (0 = half the memory)")
-    parser.add_argument("--slow-s", type=float, default=20.0, help="report a case from its first run if slower")
     parser.add_argument(
-        "--model", default="deepseek3-671b", help="overlay for the MoE settings the flags leave (block rows, scores)"
+        "--impls",
+        nargs="+",
+        default=impls,
+        choices=impls,
+        help="Implementations to time (default: all); the ceiling is always timed.",
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print one JSON object to stdout (table to stderr)")
+    parser.add_argument(
+        "--routings", nargs="+", default=list(ROUTINGS), choices=ROUTINGS, help="Routings to force (default: all)."
+    )
+    parser.add_argument(
+        "--max-gb",
+        type=float,
+        default=0.0,
+        help="Skip cases needing more GB; 0 = 90%% of the device's memory, or half the host's on CPU "
+        "(default: %(default)s).",
+    )
+    parser.add_argument(
+        "--slow-s",
+        type=float,
+        default=20.0,
+        help="Report a case from its first run if that takes longer, in seconds (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--model",
+        default="deepseek3-671b",
+        help="Model overlay for the MoE settings the flags leave: block rows, scores (default: %(default)s).",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the inputs and routings (default: %(default)s).")
+    parser.add_argument("--json", action="store_true", help="Print one JSON object to stdout (the table to stderr).")
     args = parser.parse_args(argv)
     if (
         min(

@@ -39,10 +39,12 @@ def forward_logits(checkpoint: str | Path, input_ids: np.ndarray, dtype: str | N
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", required=True, help="a converted checkpoint or a training step directory")
-    parser.add_argument("--input_ids", required=True, help=".npy file of [batch, length] token ids")
-    parser.add_argument("--output", required=True, help=".npy file to write the [batch, length, vocab] logits to")
-    parser.add_argument("--dtype", default=None, help="activation dtype (default: the checkpoint config's)")
+    parser.add_argument("--checkpoint", required=True, help="A converted checkpoint or a training step directory.")
+    parser.add_argument("--input_ids", required=True, help="A .npy file of [batch, length] integer token ids.")
+    parser.add_argument(
+        "--output", required=True, help="The .npy file to write the [batch, length, vocab] float32 logits to."
+    )
+    parser.add_argument("--dtype", default=None, help="Activation dtype (default: the checkpoint config's).")
     args = parser.parse_args(argv)
 
     from MaxText.checkpointing import CheckpointError

@@ -34,6 +34,7 @@ from MaxText.quantization import Recipe, fp8_matmul  # noqa: E402
 from MaxText.quantization.quantize import MX_GEMM_COMPUTE_CAPABILITY, gpu_compute_capability  # noqa: E402
 
 FP8_TENSOR_CORES = (8, 9)  # Ada and Hopper onwards: XLA's per-tensor FP8 GEMMs
+CPU_SHAPE, ACCELERATOR_SHAPE = (512, 1024, 256), (4096, 7168, 2048)  # M, K, N (off CPU: a 671B expert projection)
 
 
 def timed(fn, *args, repeats: int = 5) -> float:
@@ -121,13 +122,18 @@ def per_tensor_row(x, w, g, bf16_outputs: list, baseline: float) -> dict:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     on_cpu = jax.default_backend() == "cpu"
-    parser.add_argument("--m", type=int, default=512 if on_cpu else 4096)
-    parser.add_argument("--k", type=int, default=1024 if on_cpu else 7168)
-    parser.add_argument("--n", type=int, default=256 if on_cpu else 2048)
+    shape = CPU_SHAPE if on_cpu else ACCELERATOR_SHAPE
+    dims = ("M, rows of x [M, K]", "K, the contracted dim of x and w", "N, columns of w [K, N]")
+    for name, text, default, cpu, accelerator in zip("mkn", dims, shape, CPU_SHAPE, ACCELERATOR_SHAPE, strict=True):
+        defaults = f"default: {cpu} on CPU, {accelerator} on an accelerator"
+        parser.add_argument(f"--{name}", type=int, default=default, help=f"{text} ({defaults}).")
     parser.add_argument(
-        "--channel-spread", type=float, default=0.0, help="x's columns scaled by exp(N(0, this)): outlier channels"
+        "--channel-spread",
+        type=float,
+        default=0.0,
+        help="Scale x's columns by exp(N(0, this)) to make outlier channels; 0 = none (default: %(default)s).",
     )
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="Print one JSON object instead of the report.")
     args = parser.parse_args(argv)
     kx, kw, kg, kc = jax.random.split(jax.random.key(0), 4)
     channels = jnp.exp(args.channel_spread * jax.random.normal(kc, (1, args.k)))

@@ -62,21 +62,48 @@ def stop_runs(signum: int, _frame) -> None:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="deepseek3-tiny")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--window", type=int, default=20, help="logged steps averaged at the end")
-    parser.add_argument("--recipes", default="fp8_blockwise,mxfp8")
-    parser.add_argument("--seeds", default="0", help="comma-separated seeds; the criterion takes their mean")
     parser.add_argument(
-        "--control", default="moe_matmul=ragged_dot", help="key=value of the noise-floor run ('' for none)"
+        "--model", default="deepseek3-tiny", help="The model_name every run trains (default: %(default)s)."
     )
-    parser.add_argument("--threshold", type=float, default=0.0025, help="relative loss error allowed")
-    parser.add_argument("--jobs", type=int, default=1, help="runs trained at once")
+    parser.add_argument("--steps", type=int, default=200, help="Training steps of every run (default: %(default)s).")
     parser.add_argument(
-        "--reuse", action="store_true", help="keep a run in --out trained with the same keys to --steps (no retraining)"
+        "--window",
+        type=int,
+        default=20,
+        help="Logged steps at the end whose mean loss is compared (default: %(default)s).",
     )
-    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "fp8_loss_check")
-    parser.add_argument("overrides", nargs="*", help="key=value for every run")
+    parser.add_argument(
+        "--recipes", default="fp8_blockwise,mxfp8", help="Comma-separated FP8 recipes to check (default: %(default)s)."
+    )
+    parser.add_argument(
+        "--seeds", default="0", help="Comma-separated seeds; the criterion takes their mean (default: %(default)s)."
+    )
+    parser.add_argument(
+        "--control",
+        default="moe_matmul=ragged_dot",
+        help="The key=value setting of the noise-floor run, '' for none (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--threshold", type=float, default=0.0025, help="Relative loss error allowed (default: %(default)s)."
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="Runs trained at once, each with its share of the GPU's memory (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="Keep a run in --out trained with the same keys to --steps instead of training it again.",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=REPO / "outputs" / "fp8_loss_check",
+        help="Folder for the runs and the plot (default: outputs/fp8_loss_check in the repository).",
+    )
+    parser.add_argument("overrides", nargs="*", help="Config key=value arguments for every run.")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")

@@ -49,9 +49,14 @@ def exchange_stats(config: Config) -> dict | None:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("config", nargs="*", help="[extra.yml ...] key=value ... (as for training)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.add_argument("--devices", type=int, default=0, help="also show memory per device over this many devices")
+    parser.add_argument("config", nargs="*", help="Config arguments as for training ([extra.yml ...] key=value ...).")
+    parser.add_argument("--json", action="store_true", help="Print one JSON object instead of the table.")
+    parser.add_argument(
+        "--devices",
+        type=int,
+        default=0,
+        help="Also show memory per device, fully sharded over this many devices (default: %(default)s, none).",
+    )
     args = parser.parse_args(argv)
     if args.devices < 0:
         parser.error("--devices must be >= 0")

@@ -33,10 +33,19 @@ class OneLineParser(argparse.ArgumentParser):
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = OneLineParser(description=__doc__.splitlines()[0])
-    p.add_argument("runs", nargs="*", type=Path, help="run output directories; the first is the baseline")
-    p.add_argument("--metric", default="loss", help="comma-separated metrics, one row each (default: loss)")
-    p.add_argument("--out", type=Path, default=Path("runs.png"), help="the PNG to write (default: ./runs.png)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "runs",
+        nargs="*",
+        type=Path,
+        help="Run output directories, each holding metrics.jsonl; the first is the baseline.",
+    )
+    p.add_argument("--metric", default="loss", help="Comma-separated metrics, one row each (default: %(default)s).")
+    p.add_argument("--out", type=Path, default=Path("runs.png"), help="The PNG to write (default: ./runs.png).")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="Print one JSON object (the plot's path and the summary) instead of the table.",
+    )
     args = p.parse_args(argv)
     if not args.runs:
         raise UsageError("arguments: name at least one run directory")

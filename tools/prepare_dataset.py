@@ -32,13 +32,24 @@ from MaxText.data.text_dataset import (  # noqa: E402
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--input", required=True, help="a file, a folder (recursively) or a glob")
-    parser.add_argument("--output", required=True, help="the TFDS data dir to write into (dataset_path)")
-    parser.add_argument("--name", required=True, help="the dataset's name (dataset_name), lower_snake_case")
-    parser.add_argument("--text-field", default=TEXT_FEATURE, help="the text column of .jsonl and .parquet records")
-    parser.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out for validation")
-    parser.add_argument("--num-shards", type=int, default=None, help="ArrayRecord files per split (default: by size)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing dataset of this name")
+    parser.add_argument("--input", required=True, help="A file, a folder (searched recursively) or a glob.")
+    parser.add_argument("--output", required=True, help="The TFDS data dir to write into (training's dataset_path).")
+    parser.add_argument("--name", required=True, help="The dataset's name (training's dataset_name), lower_snake_case.")
+    parser.add_argument(
+        "--text-field",
+        default=TEXT_FEATURE,
+        help="The text column of .jsonl and .parquet records (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.01,
+        help="Share of documents held out for validation (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--num-shards", type=int, default=None, help="ArrayRecord files per split (default: chosen by size)."
+    )
+    parser.add_argument("--overwrite", action="store_true", help="Replace an existing dataset of this name.")
     args = parser.parse_args(argv)
     if not 0 <= args.val_fraction < 1:
         parser.error("--val-fraction must be in [0, 1)")

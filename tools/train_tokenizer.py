@@ -25,10 +25,23 @@ SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("config", nargs="*", help="[extra.yml ...] key=value ... choosing the dataset")
-    parser.add_argument("--output", required=True, help="folder for tokenizer.json and tokenizer_config.json")
-    parser.add_argument("--vocab-size", type=int, default=4096, help="vocabulary size, special tokens included")
-    parser.add_argument("--max-documents", type=int, default=0, help="train on at most this many documents; 0 = all")
+    parser.add_argument(
+        "config",
+        nargs="*",
+        help="Config arguments as for training ([extra.yml ...] key=value ...), choosing the dataset.",
+    )
+    parser.add_argument(
+        "--output", required=True, help="Folder to write tokenizer.json and tokenizer_config.json into."
+    )
+    parser.add_argument(
+        "--vocab-size", type=int, default=4096, help="Vocabulary size, special tokens included (default: %(default)s)."
+    )
+    parser.add_argument(
+        "--max-documents",
+        type=int,
+        default=0,
+        help="Train on at most this many documents; 0 = all (default: %(default)s).",
+    )
     args = parser.parse_args(argv)
     if args.vocab_size < 256 + len(SPECIAL_TOKENS):
         parser.error(f"--vocab-size must be at least {256 + len(SPECIAL_TOKENS)} (the bytes and special tokens)")
