@@ -3,8 +3,9 @@
 One tiny random HF model is built per module with every feature that can go wrong switched on:
 group-limited routing, a positive nonzero correction bias, q-LoRA, YaRN with a magnitude
 correction (mscale != mscale_all_dim) over a sequence longer than the original context, a dense
-MLP whose sizes are not multiples of 128 (partial FP8 blocks). torch and transformers are test
-dependencies only.
+MLP whose sizes are not multiples of 128 (partial FP8 blocks). Its vocabulary holds the byte
+tokenizer's 259 ids, so a run trained from it exports a tokenizer too. torch and transformers are
+test dependencies only.
 """
 
 import json
@@ -21,6 +22,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from MaxText.config import load_config  # noqa: E402
+from MaxText.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer  # noqa: E402
 from MaxText.hf.checkpoint_io import LeafReader  # noqa: E402
 from MaxText.hf.convert import convert  # noqa: E402
 from MaxText.hf.export import export  # noqa: E402
@@ -28,12 +30,16 @@ from MaxText.hf.safetensors_io import SafetensorsFolder, write_safetensors  # no
 from MaxText.hf.weights import abstract_variables, hf_table, leaves, to_hf  # noqa: E402
 from MaxText.train.metrics import read_metrics, step_records  # noqa: E402
 from tests.conftest import cpu_env  # noqa: E402
+from tools.export_hf_checkpoint import main as export_tool  # noqa: E402
 from tools.forward import forward_logits  # noqa: E402
+from tools.train_tokenizer import save as save_tokenizer  # noqa: E402
+from tools.train_tokenizer import train_bpe  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+TEXT = "Grüße, 世界! naïve café — 🙂 <s> x , y .  \n"  # non-ASCII, a special token's spelling, spaces
 SEQ = 40  # longer than the original context (16) that YaRN extends
 HF_CONFIG = dict(
-    vocab_size=256,
+    vocab_size=320,  # >= the byte tokenizer's 259
     hidden_size=64,
     intermediate_size=200,
     moe_intermediate_size=32,
@@ -103,7 +109,7 @@ def checkpoint_leaves(directory: Path, config) -> dict:
 def test_converted_logits_match_transformers(hf_model, converted):
     _, ids, reference = hf_model
     ours = forward_logits(converted, ids, "float32")
-    assert ours.shape == reference.shape == (2, SEQ, 256)
+    assert ours.shape == reference.shape == (2, SEQ, 320)
     difference = np.abs(ours - reference).max()
     assert difference < 1e-4, f"max |logit difference| {difference:.3g} (logits up to {np.abs(reference).max():.3g})"
     overlay = yaml.safe_load((converted / "config.yml").read_text())
@@ -227,6 +233,7 @@ def test_export_round_trips_bit_exactly_and_transformers_loads_it(hf_model, conv
         np.testing.assert_array_equal(second[leaf], value, err_msg="/".join(leaf))
 
     assert np.abs(hf_logits(exported, ids) - reference).max() < 1e-6
+    assert not (exported / "tokenizer.json").exists()  # a converted checkpoint's config names no tokenizer
 
 
 def test_mtp_module_round_trips_through_the_hf_layout(tmp_path):
@@ -394,8 +401,11 @@ def test_bad_checkpoints_exit_2_naming_the_problem(hf_model, tmp_path, capsys):
     assert not out.exists()  # nothing is written before everything checks out
 
 
-def test_training_continues_from_a_converted_checkpoint_and_exports_back(hf_model, converted, tmp_path, jax_cache):
-    """Convert -> train 3 steps from it -> export the trained step -> transformers matches our logits."""
+def test_training_continues_from_a_converted_checkpoint_and_exports_back(
+    hf_model, converted, tmp_path, jax_cache, capsys
+):
+    """Convert -> train 3 steps from it -> export the run folder (its newest step) -> transformers
+    matches our logits, and its tokenizer (the run's byte tokenizer) gives our ids."""
     command = [
         sys.executable,
         "-m",
@@ -407,7 +417,7 @@ def test_training_continues_from_a_converted_checkpoint_and_exports_back(hf_mode
         "dataset_type=synthetic",
         "steps=3",
         "log_period=1",
-        "checkpoint_period=3",
+        "checkpoint_period=2",
         "enable_tensorboard=false",
         "eval_interval=0",
     ]
@@ -415,12 +425,99 @@ def test_training_continues_from_a_converted_checkpoint_and_exports_back(hf_mode
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert f"parameters loaded from {converted}" in result.stdout
-    records = step_records(read_metrics(tmp_path / "finetune"))
+    run = tmp_path / "finetune"
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"outputs in {run}: config.yml, metrics.jsonl")
+    assert last.endswith(f"; newest checkpoint: {run / 'checkpoints' / '3'}")
+    records = step_records(read_metrics(run))
     assert [r["step"] for r in records] == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in records)
 
-    trained = tmp_path / "finetune" / "checkpoints" / "3"
+    trained = run / "checkpoints" / "3"
     ids = hf_model[1]
     ours = forward_logits(trained, ids, "float32")
     assert np.abs(ours - forward_logits(converted, ids, "float32")).max() > 1e-4  # the weights did change
-    exported = export(trained, tmp_path / "exported", dtype="float32", progress=False)
+    capsys.readouterr()
+    export_tool(["--checkpoint", str(run), "--output_path", str(tmp_path / "exported"), "--dtype", "float32"])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == f"checkpoint: {trained} (the newest of 2 complete steps in {run / 'checkpoints'})"
+    exported = tmp_path / "exported"
+    assert printed[-1].startswith(f"exported to {exported}: config.json, tokenizer.json, tokenizer_config.json")
     assert np.abs(hf_logits(exported, ids) - ours).max() < 1e-4
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    text_ids = tokenizer(TEXT, add_special_tokens=False).input_ids
+    assert text_ids == ByteTokenizer().encode(TEXT).tolist()
+    assert tokenizer(TEXT).input_ids == [ByteTokenizer.bos_id, *text_ids]  # add_bos: documents start with BOS
+    assert tokenizer.decode(text_ids) == TEXT
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    assert (model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id) == (1, 2, 0)
+    with torch.no_grad():
+        logits = model(torch.tensor([tokenizer(TEXT).input_ids])).logits
+    assert logits.shape == (1, len(text_ids) + 1, HF_CONFIG["vocab_size"]) and torch.isfinite(logits).all()
+
+
+def with_tokenizer(converted: Path, target: Path, tokenizer_type: str, tokenizer_path: Path) -> Path:
+    """A copy of the converted checkpoint whose config.yml names a tokenizer."""
+    shutil.copytree(converted, target)
+    overlay = yaml.safe_load((target / "config.yml").read_text())
+    overlay.update(tokenizer_type=tokenizer_type, tokenizer_path=str(tokenizer_path))
+    (target / "config.yml").write_text(yaml.safe_dump(overlay))
+    return target
+
+
+def test_export_copies_a_huggingface_tokenizer(converted, tmp_path, capsys):
+    """tokenizer_type=huggingface: tokenizer.json and its tokenizer_config.json copied; one without
+    a tokenizer_config.json (passed as --tokenizer) gets one naming BOS and EOS. The ids are ours."""
+    folder = tmp_path / "tok"
+    save_tokenizer(train_bpe([TEXT * 3, "the quick brown fox jumps over the lazy dog\n" * 5] * 4, 300), folder)
+    ours = HuggingFaceTokenizer(folder)
+    checkpoint = with_tokenizer(converted, tmp_path / "named", "huggingface", folder)
+    exported = export(checkpoint, tmp_path / "hf", dtype="float32", progress=False)
+    assert (exported / "tokenizer_config.json").read_text() == (folder / "tokenizer_config.json").read_text()
+    hf = json.loads((exported / "config.json").read_text())
+    assert (hf["pad_token_id"], hf["bos_token_id"], hf["eos_token_id"]) == (0, ours.bos_id, ours.eos_id) == (0, 1, 2)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    assert tokenizer(TEXT, add_special_tokens=False).input_ids == ours.encode(TEXT).tolist()
+    assert tokenizer.decode(tokenizer(TEXT).input_ids) == TEXT
+
+    (folder / "tokenizer_config.json").unlink()
+    lines = []
+    export(
+        converted,
+        tmp_path / "bare",
+        dtype="float32",
+        progress=False,
+        tokenizer=folder / "tokenizer.json",
+        log=lines.append,
+    )
+    assert lines == [
+        f"tokenizer: {folder / 'tokenizer.json'} copied as tokenizer.json; tokenizer_config.json written naming BOS and EOS"
+    ]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "bare")
+    assert (tokenizer.bos_token, tokenizer.eos_token) == ("<s>", "</s>")
+    assert tokenizer(TEXT, add_special_tokens=False).input_ids == ours.encode(TEXT).tolist()
+
+
+def run_export_tool(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        export_tool(list(argv))
+    assert exit_info.value.code == 2
+    lines = [line for line in capsys.readouterr().err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in lines[0]
+    return lines[0]
+
+
+def test_export_bad_input_exits_2_naming_it(converted, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    assert "no such folder" in run_export_tool(capsys, "--checkpoint", str(tmp_path / "nothing"), "--output_path", out)
+    assert "not a checkpoint" in run_export_tool(capsys, "--checkpoint", str(tmp_path), "--output_path", out)
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    line = run_export_tool(capsys, "--checkpoint", str(tmp_path / "run"), "--output_path", out)
+    assert "holds no complete checkpoint step" in line
+    spm = with_tokenizer(converted, tmp_path / "spm", "sentencepiece", tmp_path / "sp.model")
+    line = run_export_tool(capsys, "--checkpoint", str(spm), "--output_path", out)
+    assert "SentencePiece" in line and "--tokenizer" in line
+    line = run_export_tool(capsys, "--checkpoint", str(converted), "--output_path", out, "--tokenizer", str(tmp_path))
+    assert line.startswith(f"error: --tokenizer {tmp_path}: ") and "no tokenizer.json" in line
+    assert not Path(out).exists()  # nothing is written before everything checks out

@@ -24,9 +24,18 @@ from MaxText.hf.convert import convert  # noqa: E402
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hf_path", required=True, help="folder with config.json and *.safetensors")
-    parser.add_argument("--output_path", required=True, help="folder to write config.yml and state/ into")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter dtype written")
+    parser.add_argument(
+        "--hf_path", required=True, metavar="DIR", help="Folder with the checkpoint's config.json and *.safetensors."
+    )
+    parser.add_argument(
+        "--output_path", required=True, metavar="DIR", help="Folder to write config.yml and state/ into."
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="Parameter dtype written (default: %(default)s).",
+    )
     args = parser.parse_args(argv)
     try:
         out = convert(args.hf_path, args.output_path, args.dtype)

@@ -2,6 +2,8 @@
 
 A checkpoint directory is either a converted one (``config.yml`` + ``state/``) or a training
 step (``<run>/checkpoints/<step>/`` with ``state/`` and the resolved config in ``config/``).
+``resolve_checkpoint`` also takes a run folder or its ``checkpoints/`` folder: the newest step
+that Orbax finished writing (a save killed midway leaves a temporary directory, never a step).
 """
 
 from __future__ import annotations
@@ -16,11 +18,44 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 import yaml
+from etils import epath
 
 from MaxText.checkpointing import load_moe_bias, load_parameters
 from MaxText.config import Config, ConfigError, load_config
 from MaxText.hf import HFCheckpointError
 from MaxText.moe.block import BIAS
+
+KINDS = "a run folder, its checkpoints/ folder, a step directory or a converted checkpoint"
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[Path, str | None]:
+    """(the checkpoint directory, a line saying which step was taken, or None when ``path`` is one
+    already). A run folder or a checkpoints/ folder gives its newest complete step."""
+    root = Path(path)
+    if (root / "state").is_dir():
+        return root, None
+    if not root.is_dir():
+        raise HFCheckpointError(f"--checkpoint {root}: no such folder (expected {KINDS})")
+    folder = root / "checkpoints" if (root / "checkpoints").is_dir() else root
+    # The steps the run's CheckpointManager sees as finalized (not temporary), with a state item.
+    finalized = ocp.path.step.standard_name_format().find_all(epath.Path(folder.absolute()))
+    steps = sorted(m.step for m in finalized if (folder / str(m.step) / "state").is_dir())
+    if steps:
+        step = folder / str(steps[-1])
+        count = f"{len(steps)} complete steps" if len(steps) > 1 else "1 complete step"
+        return step, f"checkpoint: {step} (the newest of {count} in {folder})"
+    if folder != root or root.name == "checkpoints":
+        raise HFCheckpointError(f"--checkpoint {root}: {folder} holds no complete checkpoint step")
+    if (root / "metrics.jsonl").is_file():
+        raise HFCheckpointError(f"--checkpoint {root}: the run saved no checkpoint (it has no checkpoints/ folder)")
+    raise HFCheckpointError(f"--checkpoint {root} is not a checkpoint (no state/, no checkpoints/; expected {KINDS})")
+
+
+def names_tokenizer(directory: str | Path) -> bool:
+    """Whether the checkpoint's saved config names its tokenizer: a training step's always does
+    (the whole resolved config); a converted checkpoint's config.yml only if it was given one."""
+    overlay = Path(directory) / "config.yml"
+    return not overlay.is_file() or "tokenizer_type" in (yaml.safe_load(overlay.read_text()) or {})
 
 
 def checkpoint_config(directory: str | Path, *overrides: str) -> Config:
@@ -64,7 +99,9 @@ class LeafReader:
         self.item = (root / "state" if (root / "state").is_dir() else root).absolute()
         try:
             layout = json.loads((self.item / "_METADATA").read_text())
-            stored = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(self.item).item_metadata.tree
+            # The item's own metadata: a Checkpointer would also look for a step's metadata file
+            # inside the item and warn that a training step has none there.
+            stored = ocp.PyTreeCheckpointHandler().metadata(epath.Path(self.item)).tree
         except Exception as err:
             raise HFCheckpointError(f"cannot read a checkpoint at {self.item} ({err})") from None
         self.use_ocdbt, self.use_zarr3 = bool(layout.get("use_ocdbt")), bool(layout.get("use_zarr3"))
@@ -92,6 +129,7 @@ class LeafReader:
                 parent_dir=self.item,
                 is_ocdbt_checkpoint=self.use_ocdbt,
                 use_zarr3=self.use_zarr3,
+                ts_context=self.context,  # one shared context (Orbax warns once per leaf without it)
             )
             spec = ocp.type_handlers.get_json_tspec_read(info, self.use_ocdbt)
             self.stores[leaf] = ts.open(spec, context=self.context).result()

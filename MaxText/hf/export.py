@@ -6,7 +6,8 @@ The reverse of ``convert``: every HF tensor is a slot of one of our leaves, laid
 shards are written tensor by tensor, so peak host memory is about one HF tensor in float32, a
 laid-out copy and the output dtype's copy, never a stacked leaf: ~11 GB for the 671B's embedding
 or head. The MTP modules' copies of the embedding and head are written too, as in the release.
-Correction biases stay float32, as transformers keeps them.
+Correction biases stay float32, as transformers keeps them. The run's tokenizer goes beside them
+(``hf/tokenizer.py``), so ``AutoTokenizer`` and ``AutoModelForCausalLM`` both load the folder.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import ml_dtypes
@@ -21,10 +23,11 @@ import numpy as np
 from tqdm import tqdm
 
 from MaxText.hf import HFCheckpointError
-from MaxText.hf.checkpoint_io import LeafReader, checkpoint_config
+from MaxText.hf.checkpoint_io import LeafReader, checkpoint_config, names_tokenizer, resolve_checkpoint
 from MaxText.hf.config_map import hf_config
 from MaxText.hf.convert import SCALE_SUFFIX
 from MaxText.hf.safetensors_io import INDEX_FILE, write_safetensors
+from MaxText.hf.tokenizer import hf_tokenizer
 from MaxText.hf.weights import abstract_variables, hf_shape, hf_table, leaves, mtp_copies, to_hf
 from MaxText.moe.block import BIAS
 from MaxText.quantization.quantize import Recipe, quantize
@@ -57,10 +60,20 @@ def export(
     dtype: str = "bfloat16",
     max_shard_bytes: int = 5 * 10**9,
     progress: bool = True,
+    tokenizer: str | Path | None = None,
+    log: Callable[[str], None] = lambda line: None,
 ) -> Path:
+    """Write the folder; ``checkpoint`` may also be a run folder or its checkpoints/ folder (the
+    newest complete step). ``tokenizer``: None for the run's, a Hugging Face tokenizer (a
+    tokenizer.json or its folder) instead, or "none". ``log`` gets one line on the step taken
+    from a run folder and one on the tokenizer."""
     out = Path(output_path)
+    checkpoint, taken = resolve_checkpoint(checkpoint)
+    if taken:
+        log(taken)
     config = checkpoint_config(checkpoint).with_platform("cpu")
     hf = hf_config(config, "bfloat16" if dtype == "fp8" else dtype)
+    hf_tok = hf_tokenizer(config, names_tokenizer(checkpoint), tokenizer, hf["max_position_embeddings"])
     abstract = abstract_variables(config)
     shapes = leaves(abstract)
     reader = LeafReader(checkpoint)
@@ -140,5 +153,8 @@ def export(
             "quant_method": "fp8",
             "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
         }
+    hf_tok.write(out)
+    hf.update(hf_tok.ids)  # bos/eos/pad_token_id, which transformers' generation config is built from
     (out / "config.json").write_text(json.dumps(hf, indent=2))
+    log(hf_tok.note)
     return out

@@ -308,13 +308,21 @@ def train(config: Config) -> RunResult:
                 writer.close()
         raise
     outputs = finish(goodput, progress, profiler, writer, checkpoints, (data, eval_data), is_writer)
-    if is_writer:
+    if is_writer:  # the last line names every output, the newest checkpoint (what the export tool takes) among them
+        if record:
+            print(f"final loss {record['loss']:.4f} at step {record['step']}")
+        if checkpoints is None:
+            newest = "no checkpoint (enable_checkpointing=false)"
+        elif steps := checkpoints.steps():
+            newest = f"newest checkpoint: {output_dir / 'checkpoints' / str(steps[-1])}"
+        else:
+            newest = "no checkpoint saved"
         print(
             f"outputs in {output_dir}: config.yml, metrics.jsonl"
             + (", tensorboard/" if config.enable_tensorboard else "")
             + "".join(f", {path.name}" for path in outputs)
             + (", profile/" if profile_dir.exists() else "")
+            + f"; {newest}",
+            flush=True,
         )
-        if record:
-            print(f"final loss {record['loss']:.4f} at step {record['step']}")
     return RunResult(output_dir, losses, record)
