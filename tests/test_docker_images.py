@@ -179,7 +179,7 @@ def test_cpu_image_runs_the_readme_quick_start():
     """`make train` (the README's quick start) runs the Makefile's train command with empty ARGS;
     the CPU image's CMD is that command, from the repository's root."""
     readme = (REPO / "README.md").read_text()
-    assert re.search(r"^\s+make train\s", readme, re.M)
+    assert re.search(r"^\s*make train\b", readme, re.M)
     recipe = re.search(r"^train:.*\n\t(.+)$", (REPO / "Makefile").read_text(), re.M).group(1)
     make_train = [w for w in recipe.replace("$(PY)", "python").split() if w != "$(ARGS)"]
     instrs = instructions(REPO / "docker" / "Dockerfile.cpu")
