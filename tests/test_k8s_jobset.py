@@ -1,6 +1,12 @@
-"""The Kubernetes recipe's pods, started as local processes: each pod's environment is rendered
+"""The Kubernetes recipes' pods, started as local processes: each pod's environment is rendered
 from the JobSet manifest the way Kubernetes and the JobSet controller fill it in, and the pod's
 own command runs with exactly that environment, scaled down to two pods.
+
+Both manifests (one rack, 16 racks) are parsed and their fields checked; the container's command
+runs with a stand-in ``python`` that prints its arguments, to show that a plan file named by the
+``CONFIG`` env entry and the ``MAXTEXT_ARGS`` env entry reach it, in that order after the
+recipe's own arguments, and that the result fills the manifest's GPUs. The 16-rack manifest's pods
+then run for real.
 
 Rendering a pod (rack r = the JobSet's job index, pod i = the Indexed Job's completion index):
 the container's literal ``env`` values, ``JOB_INDEX`` from the job-index annotation (a
@@ -11,11 +17,12 @@ replicas x pods per rack = ``JAX_NUM_PROCESSES`` = the ComputeDomain's ``numNode
 ``PODS_PER_RACK`` = the child Job's parallelism, the GPUs each process drives
 (``JAX_LOCAL_DEVICE_IDS``) = the GPUs the pod asks for, and the coordinator address = pod 0 of
 rack 0 through the JobSet's headless Service (locally 127.0.0.1 on a free port). ``python`` is
-this interpreter, found on ``PATH`` as in the image; ``MAXTEXT_ARGS`` scales the model down
-(tests/cluster/scaled_down.py).
+this interpreter, found on ``PATH`` as in the image; the ``MAXTEXT_ARGS`` env entry scales the
+model down (tests/cluster/scaled_down.py).
 Two racks of one pod each, so the rack index (not only the pod index) decides the process id.
 """
 
+import math
 import os
 import socket
 import subprocess
@@ -26,17 +33,20 @@ import pytest
 import yaml
 from cluster.scaled_down import STEPS, TINY_ON_TWO_CPUS
 
+from MaxText.config import load_config
+from MaxText.parallel.mesh import mesh_shape
 from MaxText.train.metrics import read_metrics, step_records
 
 REPO = Path(__file__).resolve().parents[1]
-MANIFEST = REPO / "recipes" / "k8s" / "deepseek3-671b-gb300-nvl72.yaml"
+MANIFESTS = sorted((REPO / "recipes" / "k8s").glob("*.yaml"))
+MANIFEST = REPO / "recipes" / "k8s" / "deepseek3-671b-gb300-nvl72.yaml"  # the one whose pods run
 JOB_INDEX_ANNOTATION = "metadata.annotations['jobset.sigs.k8s.io/job-index']"
 RACKS, PODS_PER_RACK = 2, 1
 
 
-def manifest_parts() -> tuple[dict, dict, dict, dict]:
+def manifest_parts(path: Path = MANIFEST) -> tuple[dict, dict, dict, dict]:
     """(JobSet, ComputeDomain, the replicated Job, the training container)."""
-    docs = [d for d in yaml.safe_load_all(MANIFEST.read_text()) if d]
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
     (jobset,) = [d for d in docs if d["kind"] == "JobSet"]
     (domain,) = [d for d in docs if d["kind"] == "ComputeDomain"]
     (rjob,) = jobset["spec"]["replicatedJobs"]
@@ -48,8 +58,13 @@ def literal_env(container: dict) -> dict[str, str]:
     return {e["name"]: e["value"] for e in container["env"] if "value" in e}
 
 
-def test_fields_that_must_agree_do():
-    jobset, domain, rjob, container = manifest_parts()
+def test_both_manifests_are_shipped():
+    assert [p.name for p in MANIFESTS] == ["deepseek3-671b-gb300-nvl72-1rack.yaml", "deepseek3-671b-gb300-nvl72.yaml"]
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.stem)
+def test_fields_that_must_agree_do(path):
+    jobset, domain, rjob, container = manifest_parts(path)
     env = literal_env(container)
     pods = rjob["template"]["spec"]["parallelism"]
     gpus_per_pod = int(container["resources"]["limits"]["nvidia.com/gpu"])
@@ -60,14 +75,17 @@ def test_fields_that_must_agree_do():
     assert env["JAX_COORDINATOR_ADDRESS"].rpartition(":")[0] == service
     (job_index,) = [e for e in container["env"] if e["name"] == "JOB_INDEX"]
     assert job_index["valueFrom"]["fieldRef"]["fieldPath"] == JOB_INDEX_ANNOTATION
+    # The user's two inputs are env entries, empty as shipped.
+    assert (env["MAXTEXT_ARGS"], env["CONFIG"]) == ("", "")
 
 
-def test_exits_that_a_restart_would_repeat_fail_the_jobset():
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.stem)
+def test_exits_that_a_restart_would_repeat_fail_the_jobset(path):
     """Exit 2 (bad input, a run that cannot fit) and 3 (a guard stopped the run) fail the child Job
     through its pod failure policy, and that reason fails the JobSet instead of restarting it."""
     from MaxText.train.health import EXIT_HALTED
 
-    jobset, _, rjob, container = manifest_parts()
+    jobset, _, rjob, container = manifest_parts(path)
     (rule,) = rjob["template"]["spec"]["podFailurePolicy"]["rules"]
     assert rule["action"] == "FailJob" and rule["onExitCodes"]["containerName"] == container["name"]
     assert rule["onExitCodes"]["operator"] == "In" and sorted(rule["onExitCodes"]["values"]) == [2, EXIT_HALTED]
@@ -89,6 +107,54 @@ def render_pod_env(container: dict, racks: int, pods_per_rack: int, rack: int, p
     return env
 
 
+def gpus_of(rjob: dict, container: dict) -> int:
+    return (
+        rjob["replicas"]
+        * rjob["template"]["spec"]["parallelism"]
+        * int(container["resources"]["limits"]["nvidia.com/gpu"])
+    )
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.stem)
+def test_config_and_maxtext_args_reach_the_command(path, tmp_path):
+    """The pod's command with the env entries set as docs/kubernetes.md says: CONFIG names the file
+    tools/plan.py --emit-config wrote for this manifest's system and GPUs, MAXTEXT_ARGS adds a key.
+    A stand-in ``python`` prints what it is given: the recipe's TRAIN_ARGS, then the plan's keys
+    (which win over them), then MAXTEXT_ARGS (which wins over both); loaded, the plan's mesh fills
+    the manifest's GPUs."""
+    from tools import plan
+
+    jobset, _, rjob, container = manifest_parts(path)
+    gpus = gpus_of(rjob, container)
+    overlay = tmp_path / "plan.yml"
+    plan.main(
+        ["model_name=deepseek3-671b", "--system", "gb300-nvl72", "--gpus", str(gpus), "--emit-config", str(overlay)]
+    )
+    keys = yaml.safe_load(overlay.read_text())
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text('#!/bin/bash\nprintf "%s\\0" "$@"\n')
+    (bin_dir / "python").chmod(0o755)
+    pods = rjob["template"]["spec"]["parallelism"]
+    env = render_pod_env(container, rjob["replicas"], pods, 0, 0, "127.0.0.1:1234")
+    env.update(CONFIG=str(overlay), MAXTEXT_ARGS="steps=5 log_period=5", PATH=f"{bin_dir}:{os.environ['PATH']}")
+    result = subprocess.run([*container["command"], *container["args"]], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    argv = result.stdout.split("\0")[:-1]
+    assert argv[:2] == ["-m", "MaxText.train"]
+    plan_args = [f"{k}={v}" for k, v in keys.items()]
+    recipe_args = argv[2 : -len(plan_args) - 2]
+    assert argv[-len(plan_args) - 2 :] == [*plan_args, "steps=5", "log_period=5"]
+    assert "model_name=deepseek3-671b" in recipe_args and any(
+        a.startswith("ici_expert_parallelism=") for a in recipe_args
+    )
+    config = load_config(argv[2:])
+    assert {k: getattr(config, k) for k in keys} == keys and config.steps == 5
+    dcn, ici = mesh_shape(config, gpus)
+    assert math.prod(dcn) * math.prod(ici) == gpus
+    assert math.prod(ici) <= pods * int(container["resources"]["limits"]["nvidia.com/gpu"])  # inside one rack
+
+
 @pytest.fixture(scope="module")
 def pods_run(tmp_path_factory, jax_cache) -> tuple[Path, list[str]]:
     """Every pod of the scaled-down JobSet, started with its rendered environment; (run dir, logs)."""
@@ -100,13 +166,18 @@ def pods_run(tmp_path_factory, jax_cache) -> tuple[Path, list[str]]:
     base = {
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
         "HOME": os.environ.get("HOME", "/root"),
-        "MAXTEXT_ARGS": " ".join((*TINY_ON_TWO_CPUS, f"base_output_directory={output}")),
         "JAX_COMPILATION_CACHE_DIR": str(jax_cache),  # the suite's shared cache: a speed-up only
     }
+    # The MAXTEXT_ARGS env entry, as a user would set it in the manifest.
+    maxtext_args = " ".join((*TINY_ON_TWO_CPUS, f"base_output_directory={output}"))
     processes = [
         subprocess.Popen(
             [*container["command"], *container["args"]],
-            env={**base, **render_pod_env(container, RACKS, PODS_PER_RACK, rack, pod, coordinator)},
+            env={
+                **base,
+                **render_pod_env(container, RACKS, PODS_PER_RACK, rack, pod, coordinator),
+                "MAXTEXT_ARGS": maxtext_args,
+            },
             cwd=REPO,  # the image's workingDir holds the repository
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,

@@ -12,6 +12,7 @@ import math
 import os
 import re
 import subprocess
+import textwrap
 from pathlib import Path
 
 import jax
@@ -78,7 +79,7 @@ def test_recipes_are_shipped():
         "smoke.sbatch",
     ]
     assert [p.name for p in GPU_SBATCH] == ["deepseek3-671b-gb200-nvl72.sbatch", "deepseek3-small-1gpu.sbatch"]
-    assert [p.name for p in K8S] == ["deepseek3-671b-gb300-nvl72.yaml"]
+    assert [p.name for p in K8S] == ["deepseek3-671b-gb300-nvl72-1rack.yaml", "deepseek3-671b-gb300-nvl72.yaml"]
 
 
 @pytest.mark.parametrize("path", SBATCH, ids=lambda p: p.name)
@@ -229,6 +230,114 @@ def test_k8s_pods_claim_nvlink_and_shared_memory(path):
     assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory"
 
 
+# ---------------------------------------------------------------- CONFIG: a plan file, read by every recipe
+
+# Between these two lines, the same block in every recipe (dedented: the manifests indent it).
+_CONFIG_BLOCK = re.compile(r"^[ \t]*# ---- CONFIG \(optional\).*?^[ \t]*# ---- end of CONFIG ----\n", re.M | re.S)
+_MAXTEXT_ARGS = 'read -r -a EXTRA_ARGS <<< "${MAXTEXT_ARGS:-}"'
+
+
+def _script(path: Path) -> str:
+    """The bash that launches the recipe: the sbatch file, or the training container's script."""
+    if path.suffix == ".sbatch":
+        return path.read_text()
+    return _k8s_parts(path)[3]["args"][0]
+
+
+def _config_block(script: str) -> str:
+    match = _CONFIG_BLOCK.search(script)
+    assert match, "no CONFIG block"
+    return textwrap.dedent(match.group(0))
+
+
+def _read_config(config: Path, *train_args: str) -> subprocess.CompletedProcess:
+    """smoke.sbatch's CONFIG block run by bash on ``config`` after ``TRAIN_ARGS=(train_args)``; its
+    stdout is the resulting TRAIN_ARGS, NUL-separated."""
+    block = _config_block((REPO / "recipes" / "slurm" / "smoke.sbatch").read_text())
+    words = " ".join(f"'{a}'" for a in train_args)
+    program = f'set -euo pipefail\nTRAIN_ARGS=({words})\n{block}printf "%s\\0" "${{TRAIN_ARGS[@]}}"\n'
+    env = {"PATH": os.environ["PATH"], "CONFIG": str(config)}
+    return subprocess.run(["bash", "-c", program], env=env, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("path", [*SBATCH, *K8S], ids=lambda p: p.name)
+def test_recipe_reads_config_after_its_arguments_and_before_maxtext_args(path):
+    """Every recipe has the same CONFIG block, after its TRAIN_ARGS and before MAXTEXT_ARGS, so
+    that a plan's keys win over the recipe's and MAXTEXT_ARGS wins over both."""
+    script = _script(path)
+    block = _CONFIG_BLOCK.search(script)
+    assert block and _config_block(script) == _config_block((REPO / "recipes" / "slurm" / "smoke.sbatch").read_text())
+    train_args = re.search(r"^[ \t]*TRAIN_ARGS=\([ \t]*$.*?^[ \t]*\)[ \t]*$", script, re.M | re.S)
+    assert train_args.end() < block.start() < block.end() <= script.index(_MAXTEXT_ARGS)
+    assert script.index(_MAXTEXT_ARGS) < script.rindex("-m MaxText.train")
+
+
+def test_config_block_turns_flat_lines_into_arguments(tmp_path):
+    config = tmp_path / "plan.yml"
+    config.write_text(
+        "# a plan\n"
+        "ici_fsdp_parallelism: 2   # a comment\n"
+        "  # an indented comment\n"
+        "\n"
+        "dcn_data_parallelism: -1\n"
+        "dataset_path: '/data/a b'\n"
+        'run_name: "x#1"\n'
+        "learning_rate: 3.0e-4\r\n"
+        "remat_policy: minimal"  # no newline at the end
+    )
+    result = _read_config(config, "model_name=deepseek3-tiny", "ici_fsdp_parallelism=1")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\0")[:-1] == [
+        "model_name=deepseek3-tiny",
+        "ici_fsdp_parallelism=1",
+        "ici_fsdp_parallelism=2",
+        "dcn_data_parallelism=-1",
+        "dataset_path=/data/a b",
+        "run_name=x#1",
+        "learning_rate=3.0e-4",
+        "remat_policy=minimal",
+    ]
+
+
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        ("steps: 2\nlogical_axis_rules:\n  - [batch, data]\n", 2),  # a nested value
+        ("steps: 2\n\nnum_experts: [8]\n", 3),  # a flow list
+        ("steps:2\n", 1),  # YAML's plain scalar "steps:2", not a key
+        ("- steps: 2\n", 1),
+        ("steps: |\n  2\n", 1),
+    ],
+    ids=["nested", "list", "no-space", "sequence", "block-scalar"],
+)
+def test_config_block_refuses_what_is_not_flat(tmp_path, text, line):
+    config = tmp_path / "bad.yml"
+    config.write_text(text)
+    result = _read_config(config, "steps=1")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1
+    assert result.stderr.startswith(f"error: CONFIG={config}, line {line}: not a flat 'key: value' line")
+    missing = _read_config(tmp_path / "missing.yml")
+    assert missing.returncode == 2 and missing.stderr == f"error: CONFIG={tmp_path / 'missing.yml'}: no such file\n"
+
+
+def test_a_plan_read_by_a_recipe_is_the_plan_as_an_overlay(tmp_path):
+    """tools/plan.py's --emit-config file, read by the recipes' block, gives the config that the
+    same file gives as an overlay of python -m MaxText.train."""
+    from tools import plan
+
+    overlay = tmp_path / "plan.yml"
+    plan.main(["model_name=deepseek3-tiny", "--system", "gb200-nvl72", "--gpus", "16", "--emit-config", str(overlay)])
+    result = _read_config(overlay, "model_name=deepseek3-tiny", "run_name=t")
+    assert result.returncode == 0, result.stderr
+    args = result.stdout.split("\0")[:-1]
+    assert len(args) == 2 + len(yaml.safe_load(overlay.read_text()))
+    as_arguments = load_config(args)
+    as_overlay = load_config(["model_name=deepseek3-tiny", "run_name=t", str(overlay)])
+    assert as_arguments == as_overlay
+    assert math.prod(mesh_shape(as_arguments, 16)[0]) * math.prod(mesh_shape(as_arguments, 16)[1]) == 16
+
+
 # ---------------------------------------------------------------- parameter shardings
 
 RECIPES = [*GPU_SBATCH, *K8S]
@@ -306,13 +415,18 @@ def test_split_check_rejects_a_split_that_does_not_divide(earlier_rules, axis_si
 # ---------------------------------------------------------------- images and requirements
 
 
+def _requirements(name: str) -> list[str]:
+    lines = [line.split("#")[0].strip() for line in (REPO / name).read_text().splitlines()]
+    return [line for line in lines if line]
+
+
 def test_gpu_requirements_extend_the_cpu_set():
+    """The image's set is the CPU set, the CUDA jax at the CPU set's version, and Transformer Engine."""
     cpu = (REPO / "requirements.txt").read_text()
-    gpu = [line.split("#")[0].strip() for line in (REPO / "requirements-gpu.txt").read_text().splitlines()]
-    gpu = [line for line in gpu if line]
+    gpu = _requirements("requirements-gpu.txt")
     jax_version = re.search(r"^jax==(\S+)$", cpu, re.M).group(1)
-    assert gpu[0] == "-r requirements.txt"
-    assert f"jax[cuda13]=={jax_version}" in gpu
+    assert gpu[:2] == ["-r requirements.txt", "-r requirements-cuda.txt"]
+    assert f"jax[cuda13]=={jax_version}" in _requirements("requirements-cuda.txt")
     assert any(re.fullmatch(r"transformer-engine\[[\w,]*\bjax\b[\w,]*\]==2\.20\.2", line) for line in gpu)
     assert not re.search(r"transformer.engine", cpu, re.I), "Transformer Engine cannot install without CUDA"
 

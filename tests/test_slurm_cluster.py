@@ -13,11 +13,14 @@ shipped sbatch files on CPU, two tasks per job, each task one JAX process (gloo 
    smoke.sbatch as shipped with ``--ntasks=2`` but for its run name and the same stage axis across
    its two tasks, continues with exactly the uninterrupted losses: both tasks join one JAX job
    (``num_processes: 2`` in the run's config.yml) and the run reaches its last step.
+3. A plan through ``CONFIG``, as ``tools/plan.py --emit-config`` says to use it
+   (``CONFIG=plan.yml sbatch recipes/slurm/smoke.sbatch``): the plan's mesh, not the recipe's, is
+   the run's, and ``MAXTEXT_ARGS`` still wins over the plan.
 
 The jobs run one after another (the node has the machine's CPUs, a job takes two). The processes
 see one CPU device each; the GPU-only settings the 671B recipe exports (XLA GPU flags, NCCL) are
-inert on CPU. All three jobs compile one program, so the suite's shared compilation cache serves
-all but the first.
+inert on CPU. The first three jobs compile one program, so the suite's shared compilation cache
+serves all but the first; the planned job compiles its own (another mesh) and runs 2 steps.
 
 smoke.sbatch checkpoints at its last step and when signalled, not periodically. Periodic saves of
 a two-process run are exercised in tests/test_train.py (they once crashed gloo, or hung, because
@@ -64,11 +67,13 @@ def submit_env(jax_cache) -> dict[str, str]:
     return cpu_env(1, jax_cache, XLA_FLAGS=image_xla_flags(), PYTHON=sys.executable)
 
 
-def submit(cluster: LocalSlurm, env: dict, script: Path, output_dir: Path, *options: str, args=()) -> str:
-    """sbatch from the repository root (the tasks' working directory) with OUTPUT_DIR and
-    MAXTEXT_ARGS set; the job's output goes to output_dir."""
+def submit(
+    cluster: LocalSlurm, env: dict, script: Path, output_dir: Path, *options: str, args=(), config: Path | None = None
+) -> str:
+    """sbatch from the repository root (the tasks' working directory) with OUTPUT_DIR, MAXTEXT_ARGS
+    and CONFIG (empty: none) set; the job's output goes to output_dir."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    env = {**env, "OUTPUT_DIR": str(output_dir), "MAXTEXT_ARGS": " ".join(args)}
+    env = {**env, "OUTPUT_DIR": str(output_dir), "MAXTEXT_ARGS": " ".join(args), "CONFIG": str(config or "")}
     return cluster.sbatch(script, f"--output={output_dir}/job-%j.out", *options, env=env, cwd=REPO)
 
 
@@ -196,3 +201,34 @@ def test_signalled_smoke_job_saves_and_resubmitted_job_continues_exactly(cluster
     assert sorted(losses(run_dir)) == list(range(1, SMOKE_STEPS + 1))
     assert (run_dir / "checkpoints" / str(SMOKE_STEPS)).is_dir()
     assert losses(run_dir) == losses(recipe_run[0])
+
+
+# ---------------------------------------------------------------- a plan, through CONFIG
+
+
+def test_smoke_recipe_runs_the_mesh_of_a_plan(cluster, submit_env, tmp_path):
+    """``CONFIG=plan.yml sbatch recipes/slurm/smoke.sbatch`` with the file tools/plan.py writes for
+    the tiny model on 2 GPUs at smoke.sbatch's batch: fsdp 2 with minimal remat, where the recipe
+    runs data parallelism over all tasks (and the tiny model no remat). The plan's keys win over the
+    recipe's TRAIN_ARGS, and MAXTEXT_ARGS (2 steps, a run name) over the plan."""
+    from tools import plan
+
+    assert re.search(r"^  ici_data_parallelism=-1$", (SLURM / "smoke.sbatch").read_text(), re.M)
+    overlay = tmp_path / "plan.yml"
+    plan.main(
+        ["model_name=deepseek3-tiny", "per_device_batch_size=8", "--system", "h100", "--gpus", "2"]
+        + ["--emit-config", str(overlay)]
+    )
+    assert "CONFIG=" in overlay.read_text()  # the header says how to use it
+    keys = yaml.safe_load(overlay.read_text())
+    assert (keys["ici_data_parallelism"], keys["ici_fsdp_parallelism"], keys["remat_policy"]) == (1, 2, "minimal")
+
+    output = tmp_path / "outputs"
+    args = ("run_name=planned", "steps=2", "remat_policy=full")
+    job_id = submit(cluster, submit_env, SLURM / "smoke.sbatch", output, "--ntasks=2", args=args, config=overlay)
+    log = finish(cluster, job_id, output)
+    config, topology = runtime(output / "planned")
+    assert (topology["num_processes"], topology["num_devices"]) == (2, 2), log[-2000:]
+    assert {k: config[k] for k in keys if k != "remat_policy"} == {k: v for k, v in keys.items() if k != "remat_policy"}
+    assert (config["remat_policy"], config["steps"]) == ("full", 2)  # MAXTEXT_ARGS over the plan
+    assert [r["step"] for r in metrics(output / "planned")] == [1, 2]

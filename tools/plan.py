@@ -9,8 +9,21 @@
 
 Arguments other than flags are config arguments, as for training. With no layout named (neither a
 ``*_parallelism`` key nor ``--tp/--pp/--ep``), the planner searches the layouts this repository can
-run and prints the best few with why each loses; ``--emit-config`` writes the winner as a YAML
-overlay of base.yml keys. Bad input exits 2 with one line.
+run and prints the best few with why each loses. Bad input exits 2 with one line.
+
+``--emit-config plan.yml`` writes the winner (or the named layout) as a flat YAML file of base.yml
+keys: the mesh, the micro-batch, gradient accumulation, remat and, when pipelined, the pipeline
+keys. A recipe takes it from the ``CONFIG`` environment variable, after its own arguments, so the
+plan's keys win over the recipe's (and ``MAXTEXT_ARGS`` over both):
+
+    CONFIG=plan.yml sbatch recipes/slurm/deepseek3-671b-gb200-nvl72.sbatch
+
+A file rather than the keys pasted into ``MAXTEXT_ARGS`` or a recipe: it is written once, anywhere
+(on the submit host, or on a Kubernetes volume where the pods read it, docs/kubernetes.md), it can
+be reviewed and kept with the run, and it is also a valid overlay for ``python -m MaxText.train
+plan.yml key=value ...``. That overlay ranks below every key=value argument (base.yml < model <
+extra yml < key=value), which is why the recipes, whose layout is key=value, read it through
+``CONFIG`` instead.
 """
 
 from __future__ import annotations
@@ -18,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -39,38 +53,67 @@ class OneLineParser(argparse.ArgumentParser):
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = OneLineParser(description=__doc__.splitlines()[0])
-    p.add_argument("config", nargs="*", help="[extra.yml ...] key=value ... (as for training)")
-    p.add_argument("--system", choices=sorted(SYSTEMS))
-    p.add_argument("--gpus", type=int)
-    p.add_argument("--precision", choices=PRECISIONS, default="bf16", help="GEMM precision (attention stays bf16)")
+    p.add_argument("config", nargs="*", help="The model and its batch: [extra.yml ...] key=value ..., as for training.")
+    p.add_argument(
+        "--system", choices=sorted(SYSTEMS), help="The GPU system to plan for (required unless --calibrate)."
+    )
+    p.add_argument("--gpus", type=int, help="The number of GPUs to plan for (required unless --calibrate).")
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="bf16",
+        help="The GEMMs' precision; attention stays bf16 (default: %(default)s).",
+    )
     p.add_argument(
         "--fp8-kernels",
         choices=("emulated", "fused"),
         default="emulated",
-        help="how FP8 GEMMs run: this repository's emulation (the default), or fused FP8 kernels as published",
+        help="How FP8 GEMMs run: this repository's emulation (the default), or fused FP8 kernels as published.",
     )
-    p.add_argument("--stack", choices=sorted(STACKS), default=DEFAULT_STACK, help="software stack to model")
+    p.add_argument(
+        "--stack",
+        choices=sorted(STACKS),
+        default=DEFAULT_STACK,
+        help="The software stack to model (default: %(default)s).",
+    )
     p.add_argument(
         "--exchange",
         choices=("all_to_all", "allgather", "hierarchical"),
-        help="cost the stack with another expert exchange (what if; default: the stack's, or allgather as the config says)",
+        help="Cost the stack with another expert exchange, as a what-if (default: the stack's, or allgather where the config says so).",
     )
-    p.add_argument("--arch", choices=ARCHS, help="a model the config cannot express (the planner's own description)")
-    p.add_argument("--seq", type=int, default=4096, help="sequence length of an --arch model")
-    p.add_argument("--tp", type=int, help="Megatron-style layout: tensor parallelism")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    p.add_argument("--vpp", type=int, default=1, help="virtual pipeline stages per GPU")
-    p.add_argument("--ep", type=int, help="expert parallelism")
-    p.add_argument("--mbs", type=int, default=1, help="micro-batch sequences per model replica (with --tp/--ep)")
-    p.add_argument("--gbs", type=int, help="global batch in sequences (default: the config's)")
+    p.add_argument("--arch", choices=ARCHS, help="A model the config cannot express, in the planner's own description.")
     p.add_argument(
-        "--remat", choices=("none", "minimal", "selective", "full"), help="default: the config's remat_policy"
+        "--seq", type=int, default=4096, help="The sequence length of an --arch model (default: %(default)s)."
     )
-    p.add_argument("--pipeline", action="store_true", help="also model pipeline layouts and say what they would gain")
-    p.add_argument("--calibrate", action="store_true", help="print published results vs the model's predictions")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--emit-config", type=Path, help="write the best runnable layout as a YAML overlay")
-    p.add_argument("--top", type=int, default=5, help="layouts to list")
+    p.add_argument(
+        "--tp", type=int, help="A Megatron-style layout's tensor parallelism (with --pp, --vpp, --ep, --mbs)."
+    )
+    p.add_argument("--pp", type=int, default=1, help="The layout's pipeline stages (default: %(default)s).")
+    p.add_argument(
+        "--vpp", type=int, default=1, help="The layout's virtual pipeline stages per GPU (default: %(default)s)."
+    )
+    p.add_argument("--ep", type=int, help="The layout's expert parallelism.")
+    p.add_argument(
+        "--mbs",
+        type=int,
+        default=1,
+        help="Micro-batch sequences per model replica, with --tp/--ep (default: %(default)s).",
+    )
+    p.add_argument("--gbs", type=int, help="The global batch in sequences (default: the config's).")
+    p.add_argument(
+        "--remat",
+        choices=("none", "minimal", "selective", "full"),
+        help="The rematerialisation policy to cost (default: the config's remat_policy).",
+    )
+    p.add_argument("--pipeline", action="store_true", help="Also model pipeline layouts and say what they would gain.")
+    p.add_argument("--calibrate", action="store_true", help="Print published results beside the model's predictions.")
+    p.add_argument("--json", action="store_true", help="Print one JSON object instead of the report.")
+    p.add_argument(
+        "--emit-config",
+        type=Path,
+        help="Write the best runnable layout to this file as a flat YAML overlay, which the recipes take as CONFIG=<file>.",
+    )
+    p.add_argument("--top", type=int, default=5, help="How many layouts to list (default: %(default)s).")
     args = p.parse_args(argv)
     if not args.calibrate:
         if args.system is None or args.gpus is None:
@@ -179,16 +222,32 @@ def run(args: argparse.Namespace) -> dict:
     return out
 
 
+def emit_config(args: argparse.Namespace, out: dict, argv: list[str]) -> None:
+    """Write the layout as a flat YAML file of base.yml keys, headed by how it was made and how to use it."""
+    overlay = out.get("winner_overlay")
+    if overlay is None:
+        raise ConfigError("arguments: --emit-config: no runnable layout to write")
+    chosen = out["ranked"][0] if "ranked" in out else out
+    header = [
+        f"Layout planned by tools/plan.py for {args.gpus} x {args.system} ({args.precision}, stack {args.stack}):",
+        f"{chosen['layout']}, {chosen['tflops_per_gpu']:.0f} predicted TFLOPS/GPU, "
+        f"{chosen['memory_gb']['total']:.1f} GB per GPU.",
+        "  python tools/plan.py " + shlex.join(argv),
+        "Use it with the recipe of the same model; its keys win over the recipe's, MAXTEXT_ARGS over both:",
+        f"  CONFIG={args.emit_config} sbatch recipes/slurm/<recipe>.sbatch",
+        "  Kubernetes: copy it to the volume and set the CONFIG env entry to its path (docs/kubernetes.md)",
+        f"or as an overlay (key=value arguments win over it): python -m MaxText.train {args.emit_config} ...",
+    ]
+    text = "".join(f"# {line}\n" for line in header) + yaml.safe_dump(overlay, sort_keys=False)
+    args.emit_config.write_text(text)
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         out = run(args)
         if args.emit_config:
-            overlay = out.get("winner_overlay")
-            if overlay is None:
-                raise ConfigError("arguments: --emit-config: no runnable layout to write")
-            header = f"# Layout chosen by tools/plan.py for {args.gpus} x {args.system} ({args.precision}, stack {args.stack}).\n"
-            args.emit_config.write_text(header + yaml.safe_dump(overlay, sort_keys=False))
+            emit_config(args, out, sys.argv[1:] if argv is None else argv)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
