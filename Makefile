@@ -38,13 +38,13 @@ $(TEST_STAMP): $(STAMP) $(TEST_REQUIREMENTS)
 	touch $(TEST_STAMP)
 
 # Compiling for a GPU target without a GPU (tools/aot_compile.py --target): JAX's CUDA plugin and
-# cuDNN in an environment of their own that sees .venv's packages (a .pth file), so that .venv, which
+# cuDNN in an environment of their own that sees .venv's packages (a .pth file adding .venv's site folder, its editable install included), so that .venv, which
 # `make train` uses, stays free of CUDA. Run the tool with $(GPU_PY).
 gpu-compile-deps: $(GPU_STAMP)
 
-$(GPU_STAMP): $(TEST_STAMP) requirements-gpu-compile.txt
+$(GPU_STAMP): $(TEST_STAMP) requirements-gpu-compile.txt Makefile
 	$(PYTHON) -m venv $(GPU_VENV)
-	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
+	$(PY) -c "import sysconfig; print(f'import site; site.addsitedir({sysconfig.get_paths()[\"purelib\"]!r})')" > \
 	  "$$($(GPU_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/cpu-venv.pth"
 	$(GPU_PY) -m pip install --quiet --no-deps -r requirements-gpu-compile.txt
 	touch $(GPU_STAMP)

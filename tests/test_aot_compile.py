@@ -103,6 +103,7 @@ def _state_bytes_per_device(config) -> float:
     return (memory.weights + memory.optimizer) / DEVICES
 
 
+@pytest.mark.slow
 def test_671b_arguments_are_the_state_over_the_devices(report_671b):
     config = make_config(*ARCH_671B[1:], model="deepseek3-671b")
     batch_bytes = 5 * DEVICES * config.max_target_length * 4 / DEVICES  # five int32 [B, S] arrays
@@ -110,6 +111,7 @@ def test_671b_arguments_are_the_state_over_the_devices(report_671b):
     assert report_671b["memory"]["arguments"] == pytest.approx(expected, rel=0.02)
 
 
+@pytest.mark.slow
 def test_671b_compiles_without_involuntary_rematerialisation_and_bounded_temp(report_671b):
     """A step that loses the batch sharding replicates [B, ...] activations on all 64 devices (the
     SPMD partitioner then warns of an involuntary full rematerialisation, and temp grows 64-fold,
@@ -123,11 +125,13 @@ def test_671b_compiles_without_involuntary_rematerialisation_and_bounded_temp(re
     assert not [op for op in report_671b["collectives_by_op"] if op.endswith(" of top_k")]
 
 
+@pytest.mark.slow
 def test_671b_flops_match_the_accounting(report_671b):
     assert report_671b["dot_flops"] == pytest.approx(report_671b["expected_flops"], rel=0.10)
     assert report_671b["xla_flops"] < 0.8 * report_671b["dot_flops"]  # XLA's count misses the loops
 
 
+@pytest.mark.slow
 def test_671b_all_to_all_bytes_are_the_dispatch_volume(report_671b):
     """all_to_all moves fixed slots of C + 1 rows per destination, ep * (C + 1) rows of D per
     exchange. A scanned MoE layer exchanges 5 times per step: tokens out and outputs back

@@ -30,6 +30,8 @@ from MaxText.models.accounting import memory_estimate
 from MaxText.planner.systems import SYSTEMS
 from tests.conftest import make_config
 
+pytestmark = pytest.mark.slow  # compiles for GPU targets: `make test-fast` leaves this file out
+
 ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9
 GPU_PYTHON = os.environ.get("GPU_COMPILE_PYTHON", str(ROOT / ".venv-gpu-compile" / "bin" / "python"))

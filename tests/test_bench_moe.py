@@ -5,11 +5,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 CLI = REPO / "tools" / "bench_moe.py"
 TINY = ["--tokens", "256", "--d-model", "32", "--ffn", "16", "--experts", "8", "--top-k", "2"]
 
 
+@pytest.mark.slow
 def test_bench_moe_json_report():
     cmd = [sys.executable, str(CLI), *TINY, "--repeats", "1", "--block-rows", "128", "--json"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)

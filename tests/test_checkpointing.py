@@ -183,6 +183,7 @@ print(f"restored={restored.step} data={restored.data_state} same={same}", flush=
 """
 
 
+@pytest.mark.slow
 def test_processes_restore_the_newest_step_that_every_process_reads(tmp_path, jax_cache):
     directory = tmp_path / "checkpoints"
     outputs = run_processes(AGREEMENT, str(directory), jax_cache=jax_cache, devices=2)

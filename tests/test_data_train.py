@@ -16,6 +16,8 @@ import pytest
 from MaxText.train.metrics import read_metrics, step_records
 from tests.conftest import cpu_env
 
+pytestmark = pytest.mark.slow  # whole runs: `make test-fast` leaves this file out
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -130,6 +130,7 @@ IDS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 @pytest.mark.parametrize("kind", ["balanced", "zipf", "all_to_one"])
 def test_expert_parallel_matches_one_device(kind, case, monkeypatch):
@@ -262,6 +263,7 @@ FP8_CASES = [("allgather", *MESH), ("all_to_all", *SMALL_BUFFERS), ("ragged_all_
 FP8_RUNS = [("fp8_blockwise", case) for case in FP8_CASES] + [("mxfp8", FP8_CASES[0])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("recipe", "case"), FP8_RUNS, ids=[f"{r}-{c[0]}" for r, c in FP8_RUNS])
 def test_fp8_dispatch_sends_bytes_and_changes_no_number(recipe, case, monkeypatch):
     """With ``quantization`` on, the tokens cross the exchange as FP8 bytes and scales, and expert

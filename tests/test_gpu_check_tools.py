@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 GPU_PYTHON = os.environ.get("GPU_COMPILE_PYTHON", str(REPO / ".venv-gpu-compile" / "bin" / "python"))
 
@@ -19,6 +21,7 @@ def run(*command: str, env: dict | None = None, timeout: int = 300) -> subproces
     return done
 
 
+@pytest.mark.slow
 def test_fp8_gemm_check_on_cpu_reports_every_case():
     out = run(sys.executable, "tools/fp8_gemm_check.py", "--m", "64", "--k", "256", "--n", "128", "--json")
     report = json.loads(out.stdout)
@@ -40,6 +43,7 @@ def test_fp8_gemm_check_on_cpu_reports_every_case():
     assert "sm 8.9" in not_run["per-tensor xla (E4M3/E5M2, not a recipe)"]
 
 
+@pytest.mark.slow
 def test_fp8_gemm_called_sees_xla_gpus_fp8_gemms():
     """Compiled by XLA:GPU for an H200 without one: the per-tensor case's GEMMs take FP8 operands
     (Triton GEMM fusions here; cuBLASLt's FP8 matmul after autotuning on the GPU), bfloat16's do not."""
@@ -66,6 +70,7 @@ print(check.fp8_gemm_called(hlo(check.per_tensor_fp8)), check.fp8_gemm_called(hl
     assert not fp8_gemm_check.fp8_gemm_called(on_the_gpu.replace("$f8", ""))
 
 
+@pytest.mark.slow
 def test_bench_attention_gradient_error_against_dot():
     out = run(
         sys.executable, "tools/bench_attention.py", "--seq", "256", "--heads", "1", "--blocks", "64", "--repeats", "1"
@@ -76,6 +81,7 @@ def test_bench_attention_gradient_error_against_dot():
     assert 0.0 < float(rows["flash/64"][-1]) < 1e-5  # float32 on CPU: another summation order
 
 
+@pytest.mark.slow
 def test_gpu_check_script_carries_on_past_a_failed_section(tmp_path):
     """A rehearsal of the script's machinery: a section past its limit is reported and counted,
     and the next section still runs (here a stand-in interpreter whose every call sleeps)."""

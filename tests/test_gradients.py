@@ -92,6 +92,7 @@ def gradient_setup():
         yield loss_fn, params, grads
 
 
+@pytest.mark.slow
 def test_remat_policies_give_the_same_gradients():
     """Recomputation changes what is stored for the backward pass, never the result."""
     grads = {}

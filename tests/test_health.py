@@ -19,6 +19,8 @@ import pytest
 from MaxText.train.metrics import read_metrics, step_records
 from tests.conftest import cpu_env, make_config
 
+pytestmark = pytest.mark.slow  # whole runs: `make test-fast` leaves this file out
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = ("dtype=float32", "per_device_batch_size=4", "enable_tensorboard=false")
 

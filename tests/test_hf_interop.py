@@ -401,6 +401,7 @@ def test_bad_checkpoints_exit_2_naming_the_problem(hf_model, tmp_path, capsys):
     assert not out.exists()  # nothing is written before everything checks out
 
 
+@pytest.mark.slow
 def test_training_continues_from_a_converted_checkpoint_and_exports_back(
     hf_model, converted, tmp_path, jax_cache, capsys
 ):

@@ -202,6 +202,7 @@ def pods_run(tmp_path_factory, jax_cache) -> tuple[Path, list[str]]:
     return output / run_name, logs
 
 
+@pytest.mark.slow
 def test_pods_form_one_jax_job(pods_run):
     run_dir, logs = pods_run
     config = yaml.safe_load((run_dir / "config.yml").read_text())

@@ -70,6 +70,7 @@ CASES = [(p, r, m, 1) for p, r in itertools.product((2, 4), (1, 2)) for m in (p,
 CASES += [(2, 2, 4, 2), (2, 3, 3, 1), (4, 2, 5, 1)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stages, repeats, microbatches, per_stage", CASES)
 def test_pipelined_layers_equal_the_layers_in_order(stages, repeats, microbatches, per_stage):
     layers = stages * repeats * per_stage
@@ -122,6 +123,7 @@ def test_fewer_micro_batches_than_stages_are_refused():
         to_stages(make_stack(6, jax.random.key(0)), 4, 1)
 
 
+@pytest.mark.slow
 def test_deepseek_moe_layers_through_the_pipeline_equal_them_in_order():
     """deepseek3-tiny's MoE decoder layers (MLA, router, dropless routed and shared experts) as the
     pipeline's layers, 2 stages x fsdp 2 x expert 2, its buffers filled with NaN: the outputs, the
@@ -258,6 +260,7 @@ def unpipelined():
     return model_loss_and_grads("ici_fsdp_parallelism=4")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", MODEL_CASES, ids=lambda o: "-".join(v.split("=")[1] for v in o))
 def test_pipelined_model_equals_the_unpipelined_model(unpipelined, overrides):
     """Loss, MTP and balance terms, every MoE layer's loads (what the bias update takes) and the

@@ -59,6 +59,7 @@ def run_processes(program: str, *args: str, jax_cache: Path, devices: int = 1) -
     return outputs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signalled", [0, 1, -1], ids=["process-0", "process-1", "none"])
 def test_one_process_signalled_stops_every_process_at_the_next_check(signalled, jax_cache):
     """SIGTERM before step 4 with checks every 3 steps: the check at 3 says go on, both stop at 6."""

@@ -196,6 +196,7 @@ def test_each_fp8_gemm_equals_the_float32_gemm_of_its_dequantized_operands(recip
         assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 2 * 2.0**-4
 
 
+@pytest.mark.slow
 def test_mx_operands_are_exact_in_bfloat16_as_gpus_take_them():
     """On a GPU the emulated MX GEMMs take bfloat16 operands (bfloat16 tensor cores): the same
     values as float32's, so the GEMM differs only in the order of its float32 sums."""

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from test_train import launch, read_metrics
 
+pytestmark = pytest.mark.slow  # whole runs: `make test-fast` leaves this file out
+
 STEPS = 12
 RUN = (
     f"steps={STEPS}",

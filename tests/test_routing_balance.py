@@ -19,6 +19,8 @@ from MaxText.train.metrics import read_metrics, step_records
 from MaxText.train.optimizer import make_optimizer
 from tests.conftest import cpu_env
 
+pytestmark = pytest.mark.slow  # whole runs: `make test-fast` leaves this file out
+
 REPO = Path(__file__).resolve().parents[1]
 MAX_MEAN_RATIO = 1.5  # measured 1.41 (mean of steps 40-60; 4.0 = every token on the same experts)
 MAX_EVAL_LOSS = 3.0  # measured 2.86 at step 60 on the fixed eval batches (3.17 before)

@@ -40,6 +40,8 @@ from cluster.scaled_down import SMOKE_STEPS, TINY_ON_TWO_CPUS, image_xla_flags
 from MaxText.train.metrics import read_metrics, step_records
 from tests.conftest import cpu_env
 
+pytestmark = pytest.mark.slow  # whole runs: `make test-fast` leaves this file out
+
 REPO = Path(__file__).resolve().parents[1]
 SLURM = REPO / "recipes" / "slurm"
 JOB_TIMEOUT = 240

@@ -177,6 +177,7 @@ print(json.dumps({
     ("target", "mosaic", "triton"),
     [("h100", 3, 0), ("gb200", 2, 1)],  # sm_100: the weight gradient on Triton (KERNELS)
 )
+@pytest.mark.slow
 def test_kernels_compile_for_gpu_targets_with_no_control_flow(target, mosaic, triton):
     r = json.loads(compiled_script(COMPILE, target)[-1])
     generation = 9 if target == "h100" else 10
@@ -227,6 +228,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_hopper_mosaic_kernels_run_in_interpret_mode():
     """The forward and input-gradient GEMMs of Hopper's Mosaic kernel, run by Mosaic GPU's
     interpreter on this CPU, equal the XLA reference within bfloat16 rounding. Its weight-gradient
@@ -297,6 +299,7 @@ for commands in ("FUSION,CUSTOM_CALL,CONDITIONAL,WHILE", "FUSION,CUSTOM_CALL"):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["h100", "gb200"])
 def test_a_conditional_around_the_kernels_runs_in_a_command_buffer(target):
     """With the recipes' command buffers (``CONDITIONAL``, ``WHILE``) XLA:GPU puts a conditional

@@ -159,6 +159,7 @@ def _padded_batch(config, lengths, seed):
     }
 
 
+@pytest.mark.slow
 def test_padding_is_left_out_of_expert_loads_and_balance_loss():
     """A padded row gives the same loads and balance loss as its real tokens alone: causal,
     same-document attention makes their hidden states independent of the padding."""
@@ -187,6 +188,7 @@ def test_padding_is_left_out_of_expert_loads_and_balance_loss():
     np.testing.assert_allclose(jax.tree.leaves(stats_padded[LOSS]), jax.tree.leaves(stats_alone[LOSS]), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_accumulated_micro_batches_equal_one_big_batch():
     """Micro-batches with different padding: summed token losses over the whole batch's token
     count give the big batch's loss and gradients (averaging per-micro-batch means would not)."""
@@ -247,6 +249,7 @@ def _lm_mean(config, params, bias, batch):
     return float(mean(params, bias, batch))
 
 
+@pytest.mark.slow
 def test_output_head_in_slices_equals_the_whole_head():
     """``vocab_chunks``: the loss (main and MTP heads) and every gradient equal the head
     applied to the whole sequence, with padding; and the logits are never whole."""
