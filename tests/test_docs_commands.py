@@ -375,6 +375,9 @@ def test_the_readme_quick_start_trains(tmp_path, jax_cache):
         assert (run / name).exists(), f"the quick start names {name}; the run did not write it"
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any(line.get("step") == 2 for line in steps)
+    printed = [line for line in result.stdout.splitlines() if line.strip()]
+    assert re.fullmatch(r"devices: 1 x \S.* \(cpu\)", printed[0]), printed[:3]  # the device line comes first
+    assert printed[-1].endswith(f"; newest checkpoint: {run / 'checkpoints' / '2'}"), printed[-1]
 
 
 # ---------------------------------------------------------------- links, the map, the length
