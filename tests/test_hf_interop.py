@@ -435,7 +435,8 @@ def test_training_continues_from_a_converted_checkpoint_and_exports_back(
 
     trained = run / "checkpoints" / "3"
     ids = hf_model[1]
-    ours = forward_logits(trained, ids, "float32")
+    ours = forward_logits(run, ids, "float32")  # the run folder: its newest step, 3
+    np.testing.assert_array_equal(ours, forward_logits(trained, ids, "float32"))
     assert np.abs(ours - forward_logits(converted, ids, "float32")).max() > 1e-4  # the weights did change
     capsys.readouterr()
     export_tool(["--checkpoint", str(run), "--output_path", str(tmp_path / "exported"), "--dtype", "float32"])

@@ -1,6 +1,10 @@
 """Logits of a checkpoint on given token ids, for parity checks and debugging.
 
     python tools/forward.py --checkpoint converted/ --input_ids ids.npy --output logits.npy --dtype float32
+    python tools/forward.py --checkpoint outputs/my-run --input_ids ids.npy --output logits.npy
+
+``--checkpoint`` is a converted checkpoint, a training step directory, or a run folder (or its
+checkpoints/ folder), which gives its newest complete step, as for the export tool.
 
 ``--input_ids`` is a [batch, length] integer array (.npy); ``--output`` gets the main head's
 logits [batch, length, vocab] as float32. Positions are 0..length-1 and every row is one
@@ -14,18 +18,21 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 
 def forward_logits(checkpoint: str | Path, input_ids: np.ndarray, dtype: str | None = None) -> np.ndarray:
     import jax
     import jax.numpy as jnp
 
-    from MaxText.hf.checkpoint_io import checkpoint_config, restore_variables
+    from MaxText.hf.checkpoint_io import checkpoint_config, resolve_checkpoint, restore_variables
     from MaxText.hf.weights import abstract_variables
     from MaxText.models.deepseek import DeepSeekV3
     from MaxText.moe.block import LOAD, LOSS
 
+    checkpoint, taken = resolve_checkpoint(checkpoint)
+    if taken:
+        print(taken)
     overrides = [f"dtype={dtype}"] if dtype else []
     config = checkpoint_config(checkpoint, *overrides).with_platform(jax.devices()[0].platform)
     variables = restore_variables(checkpoint, config, abstract_variables(config))
@@ -39,7 +46,11 @@ def forward_logits(checkpoint: str | Path, input_ids: np.ndarray, dtype: str | N
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", required=True, help="A converted checkpoint or a training step directory.")
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="A converted checkpoint, a training step directory, or a run folder (its newest complete step).",
+    )
     parser.add_argument("--input_ids", required=True, help="A .npy file of [batch, length] integer token ids.")
     parser.add_argument(
         "--output", required=True, help="The .npy file to write the [batch, length, vocab] float32 logits to."
