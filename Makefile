@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 
 # The device set: CUDA JAX (requirements-cuda.txt) where `nvidia-smi -L` lists a GPU, else CPU JAX.
 # DEVICE_SET=cpu or DEVICE_SET=cuda on the command line overrides the probe.
-DEVICE_SET ?= $(if $(shell nvidia-smi -L 2>/dev/null | grep '^GPU'),cuda,cpu)
+DEVICE_SET ?= $(if $(shell timeout 10 nvidia-smi -L 2>/dev/null | grep '^GPU'),cuda,cpu)
+$(if $(filter-out cpu cuda,$(DEVICE_SET)),$(error DEVICE_SET must be cpu or cuda, not '$(DEVICE_SET)'))
 RUN_REQUIREMENTS := requirements.txt $(if $(filter cuda,$(DEVICE_SET)),requirements-cuda.txt)
 TEST_REQUIREMENTS := requirements-test.txt requirements-test-hf.txt
 STAMP := $(VENV)/.installed-$(DEVICE_SET)
@@ -19,13 +20,15 @@ GPU_STAMP := $(GPU_VENV)/.installed
 
 # What `make train` needs: the run's requirements and this repository as an editable package (so
 # the tools import MaxText from anywhere). A stamp per device set: a GPU that appears later
-# reinstalls with CUDA JAX.
+# reinstalls with CUDA JAX, and the CPU set takes the CUDA plugin out again. Every stamp goes
+# (the test requirements' too, which then install again) so that only the current set's remains.
 venv: $(STAMP)
 
 $(STAMP): $(RUN_REQUIREMENTS) pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(addprefix -r ,$(RUN_REQUIREMENTS))
+	$(if $(filter cpu,$(DEVICE_SET)),$(PY) -m pip uninstall --quiet --yes jax-cuda13-plugin jax-cuda13-pjrt 2>/dev/null)
 	$(PY) -m pip install --quiet --no-deps -e .
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
@@ -38,8 +41,9 @@ $(TEST_STAMP): $(STAMP) $(TEST_REQUIREMENTS)
 	touch $(TEST_STAMP)
 
 # Compiling for a GPU target without a GPU (tools/aot_compile.py --target): JAX's CUDA plugin and
-# cuDNN in an environment of their own that sees .venv's packages (a .pth file adding .venv's site folder, its editable install included), so that .venv, which
-# `make train` uses, stays free of CUDA. Run the tool with $(GPU_PY).
+# cuDNN in an environment of their own that sees .venv's packages (a .pth file adds .venv's site
+# folder, its editable install included), so that .venv, which `make train` uses, stays free of
+# CUDA. Run the tool with $(GPU_PY).
 gpu-compile-deps: $(GPU_STAMP)
 
 $(GPU_STAMP): $(TEST_STAMP) requirements-gpu-compile.txt Makefile

@@ -15,7 +15,7 @@ usage: python -m MaxText.train [extra.yml ...] [key=value ...]
 
 Trains the DeepSeek-V3 model that the config describes and writes everything under
 <base_output_directory>/<run_name>/: config.yml, metrics.jsonl, loss.png, TensorBoard events and
-checkpoints/<step>/. Running the same command again resumes from the newest checkpoint.
+checkpoints/<step>/. A run given the run_name of an earlier one resumes from its newest checkpoint.
 
 The config is built in this order, each layer overriding the one before it:
   1. MaxText/configs/base.yml, which holds every key, its default and a one-line comment;

@@ -355,7 +355,6 @@ def quick_start() -> tuple[Command, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_the_readme_quick_start_trains(tmp_path, jax_cache):
     """`make train` as the README writes it, for 2 steps into a temporary folder: it runs the
     Makefile's train command (checked here) without the install step, and writes every file the

@@ -95,10 +95,13 @@ def test_a_visible_gpu_with_cpu_jax_is_a_warning(gpu_host_path: str, monkeypatch
     monkeypatch.setenv("PATH", gpu_host_path)
     gpus = devices_mod.visible_gpus()
     assert gpus == ["GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-00000000-0000-0000-0000-000000000000)"]
-    warning = devices_mod.cpu_with_gpu_warning(make_config(), "cpu", gpus)
-    assert warning is not None and "requirements-cuda.txt" in warning
-    assert devices_mod.cpu_with_gpu_warning(make_config("hardware=cpu"), "cpu", gpus) is None  # asked for
-    assert devices_mod.cpu_with_gpu_warning(make_config(), "gpu", gpus) is None
+    monkeypatch.delenv("JAX_PLATFORMS")  # as a user's shell has it
+    warning = devices_mod.cpu_with_gpu_warning(make_config(), "cpu", devices_mod.visible_gpus)
+    assert warning is not None and "nvidia-smi lists 1 GPU(s)" in warning and "requirements-cuda.txt" in warning
+    assert devices_mod.cpu_with_gpu_warning(make_config("hardware=cpu"), "cpu", devices_mod.visible_gpus) is None
+    assert devices_mod.cpu_with_gpu_warning(make_config(), "gpu", devices_mod.visible_gpus) is None
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # asked for, too
+    assert devices_mod.cpu_with_gpu_warning(make_config(), "cpu", devices_mod.visible_gpus) is None
     monkeypatch.setenv("PATH", without_nvidia_smi())
     assert devices_mod.visible_gpus() == []
 
@@ -137,6 +140,19 @@ def test_help_keys_lists_keys_with_defaults_and_comments():
     ici = [k.key for k in matching_keys("ici_*")]
     assert ici == [k for k in base if k.startswith("ici_")]
     assert all(k.comment for k in matching_keys(None))
+
+
+def test_help_is_found_anywhere_and_help_keys_takes_an_equals_form():
+    from MaxText.train.__main__ import main
+
+    assert main(["steps=5", "--help"]) == 0
+    assert main(["--help-keys=checkpoint_period"]) == 0
+    assert main(["--help-keys", "no_such_key"]) == 2
+
+
+def test_device_line_counts_processes(monkeypatch):
+    monkeypatch.setattr(jax, "process_count", lambda: 4)
+    assert devices_mod.device_line(jax.devices()).endswith("(cpu), 4 processes")
 
 
 def test_help_keys_without_a_match_exits_2():

@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 from MaxText.config import load_config  # noqa: E402
 from MaxText.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer  # noqa: E402
 from MaxText.hf.checkpoint_io import LeafReader  # noqa: E402
-from MaxText.hf.convert import convert  # noqa: E402
+from MaxText.hf.convert import convert, tokenizer_keys  # noqa: E402
 from MaxText.hf.export import export  # noqa: E402
 from MaxText.hf.safetensors_io import SafetensorsFolder, write_safetensors  # noqa: E402
 from MaxText.hf.weights import abstract_variables, hf_table, leaves, to_hf  # noqa: E402
@@ -466,6 +466,18 @@ def with_tokenizer(converted: Path, target: Path, tokenizer_type: str, tokenizer
     overlay.update(tokenizer_type=tokenizer_type, tokenizer_path=str(tokenizer_path))
     (target / "config.yml").write_text(yaml.safe_dump(overlay))
     return target
+
+
+def test_conversion_records_the_checkpoints_tokenizer(tmp_path):
+    """A folder with a tokenizer.json gives a config.yml that trains (and exports) with it."""
+    assert tokenizer_keys(tmp_path) == {}
+    (tmp_path / "tokenizer.json").write_text("{}")
+    keys = tokenizer_keys(tmp_path)
+    assert keys == {"tokenizer_type": "huggingface", "tokenizer_path": str((tmp_path / "tokenizer.json").absolute())}
+    overlay = tmp_path / "config.yml"
+    overlay.write_text(yaml.safe_dump(keys))
+    config = load_config([str(overlay), "run_name=t"])
+    assert (config.tokenizer_type, config.tokenizer_path) == ("huggingface", keys["tokenizer_path"])
 
 
 def test_export_copies_a_huggingface_tokenizer(converted, tmp_path, capsys):

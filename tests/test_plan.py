@@ -47,7 +47,7 @@ def test_calibration_within_tolerance(v3):
     for point in calibration.points():
         value, est = calibration.predict(point, specs[point.model])
         error = value / point.published - 1
-        if point.known_miss:  # documented in the README with its residual; it must stay a miss we explain
+        if point.known_miss:  # documented in docs/performance.md with its residual; it must stay a miss we explain
             assert -0.35 < error < -calibration.TOLERANCE, (point.name, value)
         else:
             assert abs(error) <= calibration.TOLERANCE, (point.name, value, point.published)

@@ -282,6 +282,9 @@ def test_config_block_turns_flat_lines_into_arguments(tmp_path):
         "dcn_data_parallelism: -1\n"
         "dataset_path: '/data/a b'\n"
         'run_name: "x#1"\n'
+        'base_output_directory: "my # runs"  # a comment after quotes\n'
+        "tokenizer_path: ''\n"
+        "dataset_name: a#b\n"
         "learning_rate: 3.0e-4\r\n"
         "remat_policy: minimal"  # no newline at the end
     )
@@ -294,6 +297,9 @@ def test_config_block_turns_flat_lines_into_arguments(tmp_path):
         "dcn_data_parallelism=-1",
         "dataset_path=/data/a b",
         "run_name=x#1",
+        "base_output_directory=my # runs",
+        "tokenizer_path=",
+        "dataset_name=a#b",
         "learning_rate=3.0e-4",
         "remat_policy=minimal",
     ]
@@ -307,8 +313,12 @@ def test_config_block_turns_flat_lines_into_arguments(tmp_path):
         ("steps:2\n", 1),  # YAML's plain scalar "steps:2", not a key
         ("- steps: 2\n", 1),
         ("steps: |\n  2\n", 1),
+        ('run_name: "unbalanced\n', 1),
+        ('run_name: "a\\"b"\n', 1),  # an escape: not read here
+        ("steps: 2\nrun_name: value: more\n", 2),  # not YAML
+        ("vocab_parallel_axes: []\n", 1),
     ],
-    ids=["nested", "list", "no-space", "sequence", "block-scalar"],
+    ids=["nested", "list", "no-space", "sequence", "block-scalar", "unbalanced", "escape", "colon", "empty-list"],
 )
 def test_config_block_refuses_what_is_not_flat(tmp_path, text, line):
     config = tmp_path / "bad.yml"

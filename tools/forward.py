@@ -30,9 +30,7 @@ def forward_logits(checkpoint: str | Path, input_ids: np.ndarray, dtype: str | N
     from MaxText.models.deepseek import DeepSeekV3
     from MaxText.moe.block import LOAD, LOSS
 
-    checkpoint, taken = resolve_checkpoint(checkpoint)
-    if taken:
-        print(taken)
+    checkpoint, _ = resolve_checkpoint(checkpoint)
     overrides = [f"dtype={dtype}"] if dtype else []
     config = checkpoint_config(checkpoint, *overrides).with_platform(jax.devices()[0].platform)
     variables = restore_variables(checkpoint, config, abstract_variables(config))
@@ -73,7 +71,12 @@ def main(argv: list[str] | None = None) -> None:
         )
         raise SystemExit(2)
     try:
-        logits = forward_logits(args.checkpoint, ids, args.dtype)
+        from MaxText.hf.checkpoint_io import resolve_checkpoint
+
+        checkpoint, taken = resolve_checkpoint(args.checkpoint)
+        if taken:
+            print(taken)
+        logits = forward_logits(checkpoint, ids, args.dtype)
     except (HFCheckpointError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None

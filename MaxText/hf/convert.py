@@ -3,6 +3,8 @@
 Output, in ``output_path``:
 - ``config.yml``: every architecture key derived from config.json (``config_map``), usable as
   the extra yml of a run: ``python -m MaxText.train <out>/config.yml load_parameters_path=<out>``;
+  and, where the folder has a ``tokenizer.json``, that tokenizer (a fine-tune must feed the
+  model the ids it was trained on, and the export then writes the same tokenizer back);
 - ``state/``: an Orbax checkpoint of ``{"params": ..., "moe_bias": ...}`` (the MoE correction
   biases are train state, not parameters); ``load_parameters_path=<out>`` warm-starts both.
 
@@ -81,6 +83,14 @@ def matching_model_name(arch: dict) -> str | None:
 def overlay_text(overlay: dict, source: Path) -> str:
     head = f"# Converted from the Hugging Face checkpoint {source.name}: its architecture as config keys.\n"
     return head + yaml.safe_dump(overlay, sort_keys=False)
+
+
+def tokenizer_keys(hf_dir: Path) -> dict[str, str]:
+    """The run keys that give a run the checkpoint's own tokenizer, if its folder has one."""
+    tokenizer = hf_dir / "tokenizer.json"
+    if not tokenizer.is_file():
+        return {}
+    return {"tokenizer_type": "huggingface", "tokenizer_path": str(tokenizer.absolute())}
 
 
 def load_overlay(overlay: dict, source: Path):
@@ -198,6 +208,7 @@ def convert(hf_path: str | Path, output_path: str | Path, dtype: str = "float32"
         )
     name = matching_model_name(arch)
     overlay = {**({"model_name": name} if name else {}), **{key: arch[key] for key in ARCHITECTURE_KEYS}}
+    overlay |= tokenizer_keys(hf_dir)
     config = load_overlay(overlay, hf_dir)
     abstract = abstract_variables(config)
     table = hf_table(config, abstract)

@@ -3,8 +3,10 @@ otherwise train on its CPU without a word."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+from collections.abc import Callable
 
 import jax
 
@@ -46,8 +48,10 @@ def device_line(devices: list[jax.Device]) -> str:
     return f"devices: {len(devices)} x {' + '.join(kinds)} ({devices[0].platform}){where}"
 
 
-def cpu_with_gpu_warning(config: Config, platform: str, gpus: list[str]) -> str | None:
-    """A warning when GPUs are visible but JAX runs on CPU without having been asked to."""
-    if platform != "cpu" or config.hardware == "cpu" or not gpus:
+def cpu_with_gpu_warning(config: Config, platform: str, list_gpus: Callable[[], list[str]]) -> str | None:
+    """A warning when GPUs are visible but JAX runs on CPU without having been asked to
+    (``hardware=cpu`` or ``JAX_PLATFORMS=cpu`` ask); ``nvidia-smi`` is asked only then."""
+    asked_for_cpu = config.hardware == "cpu" or os.environ.get("JAX_PLATFORMS", "") == "cpu"
+    if platform != "cpu" or asked_for_cpu or not (gpus := list_gpus()):
         return None
     return f"warning: nvidia-smi lists {len(gpus)} GPU(s) but JAX runs on CPU; to train on them, {CUDA_INSTALL_HINT}"

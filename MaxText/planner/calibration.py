@@ -1,4 +1,4 @@
-"""The published results the planner's constants are held to (README table; tests/test_plan.py).
+"""The published results the planner's constants are held to (docs/performance.md, "Calibration"; tests/test_plan.py).
 
 All are DeepSeek-V3 671B (no MTP) at sequence 4096 with force-balanced dropless routing, except the
 Qwen3-235B-A22B control (grouped-query attention instead of MLA, on Hopper). Sources:
@@ -44,7 +44,7 @@ class Point:
     layout: Layout
     published: float
     metric: str = "tflops"  # or "scaling_efficiency", "tokens_per_s" (per GPU)
-    known_miss: str = ""  # why the point is outside the tolerance, if it is (README, test)
+    known_miss: str = ""  # why the point is outside the tolerance, if it is (docs/performance.md, test)
     mtp_layers: int = 0  # MTP modules the run trained with
 
 

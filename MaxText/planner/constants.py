@@ -6,8 +6,8 @@ with a weak pull towards round priors (GEMMs 0.65/0.55 BF16, 0.45/0.40 FP8, atte
 passes, 80% overlap), to the six optimised Megatron points in ``calibration.py`` (GB200 and GB300,
 BF16 and MXFP8, and the Qwen3 control on H100), then rounded. Each baseline stack then got the one
 or two constants that describe what it lacks, fitted to its own published figure (named below).
-The fit is in-sample: 10 published numbers, 11 fitted constants in all; the README table shows the
-residuals and which point the model misses. Constants marked "set" were not fitted.
+The fit is in-sample: 10 published numbers, 11 fitted constants in all; the "Calibration" table of
+docs/performance.md shows the residuals and which point the model misses. Constants marked "set" were not fitted.
 
 A stack is a named option (``--stack``), not a per-point fudge: it says which kernels and which
 overlap a software stack has, and every point that used the stack gets the same values.

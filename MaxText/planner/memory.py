@@ -16,8 +16,8 @@ pipelining the first stage holds ``pp * (1 + (pp - 1) / (pp * vpp))`` micro-batc
 logits and their gradient are added, one ``vocab_chunks`` slice of the sequence at a time (with
 pipelining the last stage holds them but fewer micro-batches). Buffers: for this repository's
 sharded stacks, one MoE layer's exchange buffers and expert layout as ``moe/expert_parallel.py``
-sizes them (``moe_working_bytes``: 9.4 GB per GPU on the GB200 recipe, where XLA:GPU's compile
-held 11.8 GB of them at its peak); for Megatron's, the dispatch/combine receive buffers; and, for
+sizes them (``moe_working_bytes``; docs/LOG.md compares it with XLA:GPU's compile of the GB200
+recipe); for Megatron's, the dispatch/combine receive buffers; and, for
 sharded state, two layers of gathered weights (one computing, one prefetched), plus, with emulated
 FP8, the computing layer's dequantized copies (MX: a row-wise and a column-wise one, bf16).
 """

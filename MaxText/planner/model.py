@@ -71,8 +71,8 @@ def _moe_act(D: int, E: int, K: int, F: int, shared_F: int) -> tuple[int, int, i
     ``dots_with_no_batch_dims_saveable``) keeps matmul outputs, but the routed experts' matmuls
     run inside the exchange's rematerialised rounds and the blocked backend's own VJP, which the
     policy does not reach: only the router's logits and the shared expert's gate and up projections
-    stay (counting the routed experts' put the GB300 recipe at 230 GB, where XLA:GPU's compile holds
-    152 GB)."""
+    stay (counting the routed experts' overstated the GB300 recipe's memory by half against XLA:GPU's
+    compile; docs/LOG.md)."""
     none = D + 2 * E + K * D + 3 * K * F + K * D + 3 * shared_F
     minimal = E + 2 * shared_F
     return none, minimal, none - D - K * F - shared_F

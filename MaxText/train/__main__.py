@@ -11,17 +11,19 @@ from MaxText.config import ConfigError, load_config_or_exit
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] in (["--help"], ["-h"]):
+    if "--help" in argv or "-h" in argv:
         from MaxText.config_help import usage
 
         print(usage())
         return 0
-    if argv[:1] == ["--help-keys"]:
-        from MaxText.config_help import help_keys
+    for i, arg in enumerate(argv):
+        if arg == "--help-keys" or arg.startswith("--help-keys="):
+            from MaxText.config_help import help_keys
 
-        text, code = help_keys(argv[1] if len(argv) > 1 else None)
-        print(text, file=sys.stderr if code else sys.stdout)
-        return code
+            pattern = arg.partition("=")[2] or (argv[i + 1] if i + 1 < len(argv) else None)
+            text, code = help_keys(pattern)
+            print(text, file=sys.stderr if code else sys.stdout)
+            return code
     config = load_config_or_exit(argv)
 
     import jax
@@ -38,7 +40,7 @@ def main(argv: list[str]) -> int:
         return 2
     if jax.process_index() == 0:
         print(device_line(devices), flush=True)
-        if warning := cpu_with_gpu_warning(config, devices[0].platform, visible_gpus()):
+        if warning := cpu_with_gpu_warning(config, devices[0].platform, visible_gpus):
             print(warning, file=sys.stderr, flush=True)
     from MaxText.checkpointing import CheckpointError
     from MaxText.train.health import EXIT_HALTED, TrainingHalted
