@@ -40,7 +40,12 @@ from tests.conftest import cpu_env
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
-DOC_FILES = [README, *sorted(p for p in (REPO / "docs").glob("*.md") if p.name != "LOG.md")]
+DOC_FILES = [
+    README,
+    *sorted(p for p in (REPO / "docs").glob("*.md") if p.name != "LOG.md"),
+    REPO / "recipes" / "README.md",
+    REPO / "docker" / "README.md",
+]
 BASE_KEYS = set(yaml.safe_load((REPO / "MaxText/configs/base.yml").read_text()))
 MODELS = {p.stem for p in (REPO / "MaxText/configs/models").glob("*.yml")}
 MAKEFILE = (REPO / "Makefile").read_text()
