@@ -139,6 +139,8 @@ def test_the_gpu_image_python_layers_compile_for_blackwell(engine, gpu_python_im
         "/src",
         "-e",
         "JAX_PLATFORMS=cpu",
+        "-e",
+        "PYTHONPATH=/src",  # the mounted repository is the package (the runtime image sets it too)
         gpu_python_image,
         "python",
         "tools/aot_compile.py",
