@@ -54,7 +54,8 @@ class ByteTokenizer:
         return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
-def _special_from_config(path: Path, key: str) -> str | None:
+def special_from_config(path: Path, key: str) -> str | None:
+    """The special token ``key`` names in the ``tokenizer_config.json`` beside ``path``, if any."""
     config_path = path.parent / "tokenizer_config.json"
     if not config_path.is_file():
         return None
@@ -86,7 +87,7 @@ class HuggingFaceTokenizer:
         return self._tokenizer
 
     def _special(self, tokenizer, key: str, names: tuple[str, ...]) -> int | None:
-        named = _special_from_config(self.path, key)
+        named = special_from_config(self.path, key)
         for name in (named,) if named else names:
             token_id = tokenizer.token_to_id(name)
             if token_id is not None:
@@ -95,6 +96,12 @@ class HuggingFaceTokenizer:
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_tokenizer": None}
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._load().token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._load().id_to_token(token_id)
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._load().encode(text, add_special_tokens=False).ids, np.int32)

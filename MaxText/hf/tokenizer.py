@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from MaxText.config import Config, ConfigError
-from MaxText.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer, make_tokenizer
+from MaxText.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer, make_tokenizer, special_from_config
 from MaxText.hf import HFCheckpointError
 
 NONE = "none"  # ``override`` value: write no tokenizer
@@ -111,23 +111,18 @@ def _byte(config: Config, max_length: int) -> HFTokenizer:
 
 def _copied(tokenizer: HuggingFaceTokenizer) -> HFTokenizer:
     """A tokenizer.json and the files beside it, copied (a tokenizer_config.json written if none)."""
-    from tokenizers import Tokenizer
-
     path = tokenizer.path
-    backend = Tokenizer.from_file(str(path))  # read already by HuggingFaceTokenizer
     files: dict[str, str | Path] = {"tokenizer.json": path}
     files.update({name: path.parent / name for name in SIDE_FILES if (path.parent / name).is_file()})
     if "tokenizer_config.json" not in files:
         names = {"bos_token": tokenizer.bos_id, "eos_token": tokenizer.eos_id}
         written = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
-        written.update({key: backend.id_to_token(i) for key, i in names.items() if i is not None})
+        written.update({key: tokenizer.id_to_token(i) for key, i in names.items() if i is not None})
         files["tokenizer_config.json"] = json.dumps(written, indent=2) + "\n"
         pad_id, said = None, "; tokenizer_config.json written naming BOS and EOS"
     else:
-        config = json.loads((path.parent / "tokenizer_config.json").read_text())
-        pad = config.get("pad_token")
-        pad_id = backend.token_to_id(pad.get("content") if isinstance(pad, dict) else pad) if pad else None
-        said = ""
+        pad = special_from_config(path, "pad_token")
+        pad_id, said = (tokenizer.token_to_id(pad) if pad else None), ""
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": pad_id}
     return HFTokenizer(
         note=f"tokenizer: {path} copied as {', '.join(n for n, f in files.items() if isinstance(f, Path))}{said}",
