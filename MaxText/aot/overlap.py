@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from MaxText.aot.compute_time import compute_breakdown
 from MaxText.aot.hlo_stats import (
     CALLEE,
     DynamicTrips,
@@ -114,6 +115,7 @@ class OverlapReport:
     shares: dict[str, Share] = field(default_factory=dict)
     compute_seconds: float = 0.0  # the step's modelled computation time
     step_seconds: float = 0.0  # computation plus the communication left exposed
+    compute: dict = field(default_factory=dict)  # compute_time.compute_breakdown: where the computation time goes
 
     @property
     def total(self) -> Share:
@@ -129,6 +131,7 @@ class OverlapReport:
             "hidden": self.total.hidden,
             "compute_seconds": self.compute_seconds,
             "step_seconds": self.step_seconds,
+            "compute": self.compute,
         }
 
 
@@ -178,11 +181,7 @@ class _CostModel:
         if instr.opcode == "while":
             return self.trips.get(_body(instr), 1) * self.computation_seconds(_body(instr))
         if instr.opcode in ("call", "conditional"):
-            called = [c for _, c in CALLEE.findall(instr.rest)] + re.findall(
-                r"(?:true|false)_computation=%?([\w.\-]+)", instr.rest
-            )
-            if m := re.search(r"branch_computations=\{([^}]*)\}", instr.rest):
-                called += re.findall(r"%?([\w.\-]+)", m.group(1))
+            called = [c for _, c in CALLEE.findall(instr.rest)] + _branches(instr)
             times = [self.computation_seconds(c) for c in called]
             return min(times) if instr.opcode == "conditional" and times else sum(times)
         names = re.findall(r"%([\w.\-]+)", instr.rest.split(")")[0])
@@ -195,6 +194,25 @@ class _CostModel:
         else:
             moved = shape_bytes(instr.result) + sum(read)
         return max(self.instr_flops(instr) / self.flops_per_s, moved / self.hbm)
+
+    def leaf_times(self, comp: str, times: float, out: dict[str, list]) -> None:
+        """Every instruction that takes time in one run of ``comp``, as ``computation_seconds``
+        counts them (loops times their trips, a conditional's cheaper branch), gathered into
+        ``out[name] = [instr, runs per step]``."""
+        for instr in self.comps.get(comp, []):
+            if instr.opcode in FREE or instr.opcode.endswith("-done") or collective_bytes(instr, self.types):
+                continue
+            if instr.opcode == "while":
+                self.leaf_times(_body(instr), times * self.trips.get(_body(instr), 1), out)
+            elif instr.opcode == "call":
+                for _, callee in CALLEE.findall(instr.rest):
+                    self.leaf_times(callee, times, out)
+            elif instr.opcode == "conditional":
+                branches = _branches(instr)
+                if branches:
+                    self.leaf_times(min(branches, key=self.computation_seconds), times, out)
+            else:
+                out.setdefault(instr.name, [instr, 0.0])[1] += times
 
     def computation_seconds(self, comp: str) -> float:
         if comp not in self._seconds:
@@ -222,6 +240,14 @@ class _CostModel:
         else:  # an all-reduce is a reduce-scatter and an all-gather
             nvl, net = gather_link_bytes(nbytes * (2 if kind == "all-reduce" else 1), n // r, r)
         return nvl, net, link_seconds(nvl, net, self.system)
+
+
+def _branches(instr: Instr) -> list[str]:
+    """A conditional's branch computations."""
+    called = re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", instr.rest)
+    if m := re.search(r"branch_computations=\{([^}]*)\}", instr.rest):
+        called += re.findall(r"%?([\w.\-]+)", m.group(1))
+    return called
 
 
 SLICING = ("dynamic-slice", "slice", "gather")
@@ -311,6 +337,7 @@ def overlap(
             _walk(instrs, model, mult[name], shares)
     report = OverlapReport({k: v for k, v in shares.items() if v.count})
     report.compute_seconds = model.computation_seconds("ENTRY")
+    report.compute = compute_breakdown(model)
     exposed = report.total.seconds - report.total.hidden_seconds
     report.step_seconds = report.compute_seconds + exposed
     return report

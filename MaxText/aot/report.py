@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from MaxText.aot.compute_time import format_breakdown
+
 GB = 1e9
 
 
@@ -138,6 +140,8 @@ def format_report(r: AotReport, hbm_gb: float | None, limit_gb: float | None = N
             f"  all: {r.overlap['hidden']:.1%} of communication time hidden; modelled step"
             f" {r.overlap['step_seconds']:.2f} s ({r.overlap['compute_seconds']:.2f} s of computation)"
         )
+        if r.overlap.get("compute"):
+            lines += ["", *format_breakdown(r.overlap["compute"])]
     for w in r.warnings:
         lines.append(f"warning: {w}")
     return "\n".join(lines)

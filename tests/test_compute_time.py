@@ -1,0 +1,99 @@
+"""Where the AOT report's modelled computation time goes (``MaxText/aot/compute_time.py``): a
+hand-written scheduled program whose every instruction's roofline time is worked out here from
+the GPU's published figures."""
+
+import numpy as np
+import pytest
+
+from MaxText.aot.compute_time import scope_of
+from MaxText.aot.overlap import overlap
+from MaxText.planner.constants import GEMM_EFFICIENCY
+from MaxText.planner.systems import SYSTEMS
+
+N = 4096
+BACKWARD_DOT = "jit(train_step)/transpose(jvp(DeepSeekV3))/moe_layers/while/body/closed_call/checkpoint/layers/attention/dot_general"
+FORWARD_COPY = (
+    "jit(train_step)/jvp(DeepSeekV3)/moe_layers/while/body/closed_call/layers/moe/routed_experts/shard_map/copy"
+)
+PROGRAM = f"""HloModule m, is_scheduled=true
+
+%mm (a: bf16[{N},{N}], b: bf16[{N},{N}]) -> bf16[{N},{N}] {{
+  %a = bf16[{N},{N}]{{1,0}} parameter(0)
+  %b = bf16[{N},{N}]{{1,0}} parameter(1)
+  ROOT %d = bf16[{N},{N}]{{1,0}} dot(%a, %b), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+
+%body (p: (s32[], bf16[{N},{N}])) -> (s32[], bf16[{N},{N}]) {{
+  %p = (s32[], bf16[{N},{N}]{{1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %w = bf16[{N},{N}]{{1,0}} get-tuple-element(%p), index=1
+  %f = bf16[{N},{N}]{{1,0}} fusion(%w, %w), kind=kCustom, calls=%mm, metadata={{op_name="{BACKWARD_DOT}"}}
+  %c = bf16[{N},{N}]{{0,1}} copy(%f), metadata={{op_name="{FORWARD_COPY}"}}
+  ROOT %t = (s32[], bf16[{N},{N}]{{1,0}}) tuple(%i, %c)
+}}
+
+%cond (q: (s32[], bf16[{N},{N}])) -> pred[] {{
+  %q = (s32[], bf16[{N},{N}]{{1,0}}) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%j, %n), direction=LT
+}}
+
+ENTRY %main (w0: bf16[{N},{N}]) -> bf16[{N},{N}] {{
+  %w0 = bf16[{N},{N}]{{1,0}} parameter(0)
+  %z = s32[] constant(0)
+  %init = (s32[], bf16[{N},{N}]{{1,0}}) tuple(%z, %w0)
+  %loop = (s32[], bf16[{N},{N}]{{1,0}}) while(%init), condition=%cond, body=%body
+  %x = bf16[{N},{N}]{{1,0}} get-tuple-element(%loop), index=1
+  ROOT %e = bf16[{N},{N}]{{1,0}} exponential(%x), metadata={{op_name="jit(train_step)/exp"}}
+}}
+"""
+
+
+def test_computation_time_by_scope_pass_and_kind():
+    """3 loop iterations of a FLOP-bound matmul (backward attention) and a copy (forward routed
+    experts), then one elementwise op outside the model: each in its scope, pass and kind, and
+    the parts add up to the modelled computation time."""
+    system = SYSTEMS["gb200-nvl72"]
+    report = overlap(PROGRAM, system, np.zeros(1, int))
+    b = report.compute
+    matrix = 2 * N * N  # bytes of one bf16 [N, N]
+    dot = 2 * N**3 / (system.peak_flops("bf16") * GEMM_EFFICIENCY["dense"]["bf16"])
+    assert dot > 3 * matrix / system.hbm_bw  # FLOP-bound: reads two matrices, writes one
+    copy = 2 * matrix / system.hbm_bw
+    attention, experts, step = (
+        b["by_scope"]["moe_layers: attention"],
+        b["by_scope"]["moe_layers: moe/routed_experts"],
+        b["by_scope"]["step"],
+    )
+    assert attention["GEMM"] == pytest.approx(3 * dot) and attention["bytes"] == 0
+    assert attention["backward"] == pytest.approx(3 * dot)
+    assert experts["bytes"] == pytest.approx(3 * copy) and experts["forward"] == pytest.approx(3 * copy)
+    assert step["bytes"] == pytest.approx(copy)  # exponential: reads and writes one matrix
+    assert b["by_kind"] == pytest.approx({"GEMM": 3 * dot, "copy/transpose": 3 * copy, "elementwise": copy})
+    assert b["seconds"] == pytest.approx(report.compute_seconds) and b["gemm_seconds"] == pytest.approx(3 * dot)
+    largest = b["largest_bytes_bound"]
+    assert [(i["instruction"], i["runs"], i["kind"]) for i in largest] == [
+        ("c", 3, "copy/transpose"),
+        ("e", 1, "elementwise"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        (BACKWARD_DOT, ("moe_layers: attention", "backward")),
+        (FORWARD_COPY, ("moe_layers: moe/routed_experts", "forward")),
+        (
+            "jit(train_step)/transpose(jvp(DeepSeekV3))/moe_layers/while/body/closed_call/checkpoint/"
+            "rematted_computation/layers/moe/bsd,de->bse",
+            ("moe_layers: moe/router", "recompute"),
+        ),
+        ("jit(train_step)/jvp(DeepSeekV3)/mtp_1/layer/moe/shared_experts/mul", ("mtp: moe/shared_experts", "forward")),
+        ("jit(train_step)/transpose(jvp(vocab_split))/shard_map/while/body/dot_general", ("vocab_split", "backward")),
+        ("jit(train_step)/mul", ("step", "forward")),
+        ("", ("unnamed", "forward")),
+    ],
+)
+def test_scope_of_names_the_layer_module_and_pass(name, expected):
+    assert scope_of(name) == expected
