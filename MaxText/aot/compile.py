@@ -166,10 +166,12 @@ def expected_step_flops(config: Config, tokens: int) -> dict[str, float]:
 
     Remat (``full`` or ``minimal``, as an upper bound) recomputes each scanned decoder layer's
     forward inside the backward (+1/3 of its training FLOPs; the MTP module's layer is not
-    rematerialised); with ``vocab_chunks`` > 1 the loss recomputes every head's forward
-    (+1/3 of its training FLOPs). Pipelined, the MoE stack's forward runs once more (each
-    iteration is rematerialised from its input) and its stages compute through the bubble too
-    (``(r m + p - 1) / (r m)`` of the useful iterations)."""
+    rematerialised); with ``vocab_chunks`` > 1 the loss recomputes every head's forward (+1/3 of
+    its training FLOPs). Pipelined, the MoE stack's forward runs once more (each iteration is
+    rematerialised from its input) and its stages compute through the bubble too
+    (``(r m + p - 1) / (r m)`` of the useful iterations). A rerun of the routed experts is +2/9
+    of their training FLOPs (their down-projection's output is not needed: the router weight
+    scales its input), +1/3 with ``blocked``."""
     counts = count_parameters(config)
     flops = train_flops(config, counts)
     head = 6 * counts.main["output_head"]
@@ -184,7 +186,13 @@ def expected_step_flops(config: Config, tokens: int) -> dict[str, float]:
     if config.vocab_chunks > 1:
         head += head / 3 * (1 + config.mtp_num_layers)
     active = config.num_experts_per_tok / config.num_experts
-    routed = counts.main["routed_experts"] * remat
+    # Remat's rerun of the routed experts: all three GEMMs for ``blocked`` (the router weight
+    # scales their output, and its gradient reads it), the two input projections for the others
+    # (it scales the hidden activations, so no gradient reads the down-projection's output).
+    rerun = 1 / 3 if config.moe_matmul == "blocked" else 2 / 9  # one rerun of their forward
+    routed_remat = 1 + rerun if remat > 1 else 1
+    routed = counts.main["routed_experts"] * routed_remat
+    main -= 6 * active * counts.main["routed_experts"] * (remat - routed_remat)
     if config.pipeline_stages > 1:
         stages, repeats, m = config.pipeline_stages, config.num_pipeline_repeats, config.pipeline_microbatches
         bubble = 1 / (1 - bubble_fraction(stages, repeats, m))  # all iterations over the useful ones
@@ -198,7 +206,13 @@ def expected_step_flops(config: Config, tokens: int) -> dict[str, float]:
         layer_factor = rematted if remat > 1 else plain
         main += stack_attention * ((layer_factor + per_pass) * bubble - layer_factor)
         attention += stack_attention * ((layer_factor + per_pass) * bubble - layer_factor)
-        routed = counts.main["routed_experts"] * (remat + 1 / 3) * bubble
+        main -= (
+            6
+            * active
+            * counts.main["routed_experts"]
+            * ((remat - routed_remat) * (bubble - 1) + (1 / 3 - rerun) * bubble)
+        )
+        routed = counts.main["routed_experts"] * (routed_remat + rerun) * bubble
     experts = 6 * active * (routed + counts.mtp_parts["routed_experts"])
     return {
         "model": float(flops.total) * tokens,
@@ -280,6 +294,8 @@ def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget |
     step = jit_train_step(model, config, optimizer, state_shardings, batch_sharding(mesh, config))
     tokens_per_device = config.tokens_per_device(len(devices))
     routed_per_device = config.routed_tokens_per_device(len(devices))
+    if choice.exchange_compiled in ("all_to_all", "ragged_all_to_all"):  # each chunk's own kernels and buffers
+        routed_per_device //= config.moe_exchange_chunks
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)), moe_context(config, mesh, tokens_per_device):
         ep = mesh.shape[axis] if (axis := expert_axis()) else 1
         t0 = time.perf_counter()

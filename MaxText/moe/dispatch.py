@@ -163,11 +163,11 @@ def to_blocks(x_TD: jax.Array, layout: BlockLayout) -> jax.Array:
     return gather_rows(x_TD, layout.token_P, layout.valid_P, layout.row_TK)
 
 
-def combine_blocks(yp_PD: jax.Array, weights_TK: jax.Array, layout: BlockLayout) -> jax.Array:
-    """[P, D] padded rows -> [T, D]: each token's expert outputs summed with its router weights
-    (weighted in the row layout, so that no [T, K, D] array is formed)."""
-    weight_P = jnp.where(layout.valid_P, weights_TK.reshape(-1)[layout.copy_P], 0)
-    return sum_copies(yp_PD * weight_P[:, None].astype(yp_PD.dtype), layout.copy_P, layout.valid_P, layout.row_TK)
+def row_weights(weights_TK: jax.Array, layout: BlockLayout) -> jax.Array:
+    """[P] each row's router weight (0 on rows that hold no copy): the backends scale a row's
+    hidden activations by it before the down-projection, so that summing the rows' outputs
+    per token (``sum_copies``) is the weighted combine and no [T, K, D] array is formed."""
+    return jnp.where(layout.valid_P, weights_TK.reshape(-1)[layout.copy_P], 0)
 
 
 # One loop over the further rounds, or (True) each round its own ops. XLA:CPU's in-process

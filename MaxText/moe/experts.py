@@ -40,7 +40,16 @@ from MaxText.layers.common import import_error
 from MaxText.moe import tokamax_matmul
 from MaxText.moe.blocked import blocked_swiglu, expert_blocks, level_rows
 from MaxText.moe.capacity import capacity_experts
-from MaxText.moe.dispatch import BlockLayout, block_layout, combine, combine_blocks, in_rounds, sort_copies, to_blocks
+from MaxText.moe.dispatch import (
+    BlockLayout,
+    block_layout,
+    combine,
+    in_rounds,
+    row_weights,
+    sort_copies,
+    sum_copies,
+    to_blocks,
+)
 from MaxText.moe.expert_parallel import dispatch_quantized, expert_axis, expert_parallel_experts
 from MaxText.moe.te_exchange import ALIGN_ROWS
 from MaxText.parallel.platform import GPU_PLATFORMS, trace_platform
@@ -52,22 +61,30 @@ EXPERTS_SCOPE = "routed_experts"
 
 # A grouped matmul: rows of the layout times their expert's weight, [P, I] x [E, I, O] -> [P, O].
 GroupedMatmul = Callable[[jax.Array, jax.Array, BlockLayout], jax.Array]
-# A backend: rows of the layout through their expert's SwiGLU, [P, D] x (wi_0, wi_1, wo) -> [P, D].
-ExpertsBackend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, BlockLayout, Config], jax.Array]
+# A backend: rows of the layout through their expert's SwiGLU, [P, D] x (wi_0, wi_1, wo) -> [P, D],
+# each row's output scaled by ``weight_P`` when given (its router weight).
+ExpertsBackend = Callable[..., jax.Array]
 
 
-def _blocked(xp_PD, wi_0, wi_1, wo, layout: BlockLayout, config: Config) -> jax.Array:
+def _blocked(xp_PD, wi_0, wi_1, wo, layout: BlockLayout, config: Config, weight_P=None) -> jax.Array:
     # Levels larger than the layout are left out (a small layout: few tokens or a small capacity).
     rows = tuple(B for B in level_rows(config.moe_block_rows, config.moe_min_block_rows) if B <= xp_PD.shape[0])
     blocks = expert_blocks(layout.start_E, layout.padded_E, rows, xp_PD.shape[0])
-    return blocked_swiglu(rows, recipe_of(config), xp_PD, wi_0, wi_1, wo, blocks)
+    yp_PD = blocked_swiglu(rows, recipe_of(config), xp_PD, wi_0, wi_1, wo, blocks)
+    return yp_PD if weight_P is None else yp_PD * weight_P[:, None].astype(yp_PD.dtype)
 
 
 def _swiglu_of(matmul: GroupedMatmul) -> ExpertsBackend:
-    """The SwiGLU as three grouped matmuls over the unpadded sorted rows."""
+    """The SwiGLU as three grouped matmuls over the unpadded sorted rows. The router weight
+    scales the hidden activations ([P, F], fused with the SwiGLU's product) rather than the
+    output ([P, D], D / F = 3.5x larger for DeepSeek-V3): the same product, one pass over the
+    layout fewer forward and a smaller reduction for the weights' gradient."""
 
-    def swiglu(xp_PD, wi_0, wi_1, wo, layout, config):
-        return matmul(jax.nn.silu(matmul(xp_PD, wi_0, layout)) * matmul(xp_PD, wi_1, layout), wo, layout)
+    def swiglu(xp_PD, wi_0, wi_1, wo, layout, config, weight_P=None):
+        h_PF = jax.nn.silu(matmul(xp_PD, wi_0, layout)) * matmul(xp_PD, wi_1, layout)
+        if weight_P is not None:
+            h_PF = h_PF * weight_P[:, None].astype(h_PF.dtype)
+        return matmul(h_PF, wo, layout)
 
     return swiglu
 
@@ -113,8 +130,9 @@ def swiglu_experts(
 
     def one_pass(q):
         layout = block_layout(experts_TK, E, rows, active_TK, capacity, q * (capacity or 0), copies, align)
-        yp_PD = BACKENDS[backend](to_blocks(x_TD, layout), wi_0, wi_1, wo, layout, config)
-        return combine_blocks(yp_PD, weights_TK, layout)
+        weight_P = row_weights(weights_TK, layout)
+        yp_PD = BACKENDS[backend](to_blocks(x_TD, layout), wi_0, wi_1, wo, layout, config, weight_P=weight_P)
+        return sum_copies(yp_PD, layout.copy_P, layout.valid_P, layout.row_TK)
 
     if capacity is None or capacity >= M:
         return one_pass(0)
