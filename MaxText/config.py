@@ -165,6 +165,7 @@ class Config(BaseModel):
     moe_min_block_rows: Count
     moe_ep_comm: Literal["auto", "allgather", "all_to_all", "ragged_all_to_all", "te"]
     moe_ep_buffer_factor: Positive
+    moe_exchange_chunks: Count
     routed_score_func: Literal["sigmoid", "softmax"]
     routed_bias: bool
     routed_bias_update_rate: Decay
@@ -362,6 +363,12 @@ def check_rules(c: Config) -> None:
         -1 not in c.ici_parallelism() or -1 not in c.dcn_parallelism(),
         "dcn_*_parallelism",
         "a -1 (fill) in both ici_* and dcn_* is ambiguous; set one of them explicitly",
+    )
+    _require(
+        c.per_device_batch_size * c.max_target_length % c.moe_exchange_chunks == 0,
+        "moe_exchange_chunks",
+        f"{c.moe_exchange_chunks} chunks do not divide a device's per_device_batch_size x max_target_length"
+        f" ({c.per_device_batch_size * c.max_target_length}) tokens",
     )
     _require(
         c.max_target_length % c.vocab_chunks == 0,

@@ -10,6 +10,8 @@ runs the exchange's own code against an emulation of the collective built from `
 a quarter of the balanced share, as ``ragged_all_to_all`` does (a pair's slot holds 2 of the 8
 rows all-to-one routing sends it), so that only the overflow rounds make them dropless; and on
 expert 2 x tensor 2 x fsdp 2, where the tokens are split over tensor inside the exchange.
+``ragged_all_to_all`` also runs with each device's tokens in two chunks (``moe_exchange_chunks``),
+each chunk exchanged, computed and given its overflow rounds on its own.
 
 The overflow rounds run unrolled here (``dispatch.UNROLL_ROUNDS``): the same rounds, conditions
 and rematerialisation, each round its own collectives. In a loop, XLA:CPU's in-process collectives
@@ -123,9 +125,13 @@ CASES = [
     ("blocked", "ragged_all_to_all", *SMALL_BUFFERS),
     ("tokamax", "ragged_all_to_all", *SMALL_BUFFERS),  # tokamax's XLA reference kernels here
     ("blocked", "all_to_all", *TENSOR_MESH, "moe_ep_buffer_factor=0.5"),  # C = 4 of 8: overflows too
+    # Two chunks of 4 tokens per device, each exchanged on its own: C = 1, 4 rounds per chunk.
+    ("blocked", "ragged_all_to_all", *SMALL_BUFFERS, "moe_exchange_chunks=2"),
 ]
 IDS = [
-    "-".join(c[:2]) + ("-small_buffers" if SMALL_BUFFERS[-1] in c else "-tensor" if TENSOR_MESH[-1] in c else "")
+    "-".join(c[:2])
+    + ("-small_buffers" if SMALL_BUFFERS[-1] in c else "-tensor" if TENSOR_MESH[-1] in c else "")
+    + ("-chunks" if "moe_exchange_chunks=2" in c else "")
     for c in CASES
 ]
 
@@ -212,6 +218,11 @@ def test_tokens_are_split_over_tensor_inside_the_exchange():
 def test_buffer_factor_must_be_positive():
     with pytest.raises(ConfigError, match="moe_ep_buffer_factor"):
         make_config("moe_ep_buffer_factor=0")
+
+
+def test_exchange_chunks_must_divide_a_devices_tokens():
+    with pytest.raises(ConfigError, match="'moe_exchange_chunks': 3 chunks do not divide .* \\(32\\) tokens"):
+        make_config("per_device_batch_size=2", "max_target_length=16", "moe_exchange_chunks=3")
 
 
 def test_model_stats_shows_the_exchange_buffers(capsys):

@@ -363,6 +363,25 @@ def _own_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_exp
     return local_experts(x_TD, local_TK, active_TK, weights_TK, wi_0, wi_1, wo, config, capacity=capacity)
 
 
+def _chunked(exchange_fn: Callable[..., jax.Array], chunks: int, x_TD, experts_TK, weights_TK, *rest, **kw):
+    """``exchange_fn`` on ``chunks`` slices of a device's tokens in turn, outputs concatenated.
+    The chunks do not depend on each other, so XLA's latency-hiding scheduler may run one
+    chunk's dispatch or combine while another chunk's experts compute: the overlap DeepSeek's
+    DualPipe and Megatron's overlapped all-to-all get by hand. Each chunk sizes its buffers for
+    its own tokens (and agrees on its own rounds), so the buffers shrink by ``chunks``."""
+    T = x_TD.shape[0]
+    if chunks == 1:
+        return exchange_fn(x_TD, experts_TK, weights_TK, *rest, **kw)
+    if T % chunks:
+        raise ValueError(f"moe_exchange_chunks={chunks} does not divide the {T} tokens each device exchanges")
+    size = T // chunks
+    parts = [
+        exchange_fn(*(a[c * size : (c + 1) * size] for a in (x_TD, experts_TK, weights_TK)), *rest, **kw)
+        for c in range(chunks)
+    ]
+    return jnp.concatenate(parts)
+
+
 def exchange_token_axes(num_tokens: int, axis: str) -> tuple[str, ...]:
     """The mesh axes tokens are split over inside the exchange: the rules' ``activation_batch``
     axes, then every other axis (but ``axis``) that leaves them replicated, such as ``tensor``,
@@ -407,7 +426,7 @@ def expert_parallel_experts(
             return jax.lax.psum(_own_experts(*args), axis)
         if exchange == "allgather":
             return _allgather_experts(*args)
-        return _slot_experts(*args, ragged=exchange == "ragged_all_to_all")
+        return _chunked(_slot_experts, config.moe_exchange_chunks, *args, ragged=exchange == "ragged_all_to_all")
 
     return jax.shard_map(
         per_device,
