@@ -72,6 +72,7 @@ def test_computation_time_by_scope_pass_and_kind():
     assert step["bytes"] == pytest.approx(copy)  # exponential: reads and writes one matrix
     assert b["by_kind"] == pytest.approx({"GEMM": 3 * dot, "copy/transpose": 3 * copy, "elementwise": copy})
     assert b["seconds"] == pytest.approx(report.compute_seconds) and b["gemm_seconds"] == pytest.approx(3 * dot)
+    assert (b["kernels"], b["data_dependent_iterations"], b["kernels_in_data_dependent_loops"]) == (7, 0, 0)
     largest = b["largest_bytes_bound"]
     assert [(i["instruction"], i["runs"], i["kind"]) for i in largest] == [
         ("c", 3, "copy/transpose"),
@@ -97,3 +98,11 @@ def test_computation_time_by_scope_pass_and_kind():
 )
 def test_scope_of_names_the_layer_module_and_pass(name, expected):
     assert scope_of(name) == expected
+
+
+def test_loops_the_data_decides_are_counted_with_their_kernels():
+    """The same loop, its bound read from an operand instead of a constant: one iteration counted
+    (the trip count a compile cannot know, as XLA counts it), its two kernels inside."""
+    decided_by_data = PROGRAM.replace("%n = s32[] constant(3)", "%n = s32[] get-tuple-element(%q), index=0")
+    b = overlap(decided_by_data, SYSTEMS["gb200-nvl72"], np.zeros(1, int)).compute
+    assert (b["kernels"], b["data_dependent_iterations"], b["kernels_in_data_dependent_loops"]) == (3, 1, 2)

@@ -78,6 +78,16 @@ _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 MATMUL_LIKE = re.compile(r"gemm|matmul|cublas|cudnn|conv|dot|fmha", re.I)  # custom calls that would do matmuls
 
 
+# Instructions that launch no kernel: they move no bytes and take no time.
+FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id"}
+
+
+def branches(instr: Instr) -> list[str]:
+    """A conditional's branch computations."""
+    m = _BRANCHES.search(instr.rest)
+    return re.findall(r"%?([\w.\-]+)", m.group(1)) if m else _TRUE_FALSE.findall(instr.rest)
+
+
 def shape_bytes(text: str) -> int:
     """Bytes of every array shape in a type string (a tuple type sums its elements)."""
     return sum(
@@ -150,7 +160,8 @@ def parse_computations(text: str) -> dict[str, list[Instr]]:
     return comps
 
 
-def _trip_count(instr: Instr, comps: dict[str, list[Instr]]) -> int:
+def trip_count(instr: Instr, comps: dict[str, list[Instr]]) -> int:
+    """A while loop's static trip count, 0 where the data decides it."""
     if m := re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.rest):
         return int(m.group(1))
     cond = re.search(r"condition=%?([\w.\-]+)", instr.rest).group(1)
@@ -197,8 +208,8 @@ def multiplicities(
     mult: dict[str, int] = defaultdict(int)
     loops = []
 
-    def trip_count(instr: Instr) -> int:
-        if trips := _trip_count(instr, comps):
+    def loop_trips(instr: Instr) -> int:
+        if trips := trip_count(instr, comps):
             return trips
         body = re.search(r"body=%?([\w.\-]+)", instr.rest).group(1)
         dims = _dot_dims(body, comps, types)
@@ -208,15 +219,13 @@ def multiplicities(
     def visit(name: str, times: int) -> None:
         mult[name] += times
         for instr in comps.get(name, []):
-            trips = trip_count(instr) if instr.opcode == "while" else 1
+            trips = loop_trips(instr) if instr.opcode == "while" else 1
             for key, callee in CALLEE.findall(instr.rest):
                 visit(callee, times * (trips if key == "body" else 1))
                 if key == "body":
                     loops.append((callee, trips))
-            m = _BRANCHES.search(instr.rest)
-            branches = re.findall(r"%?([\w.\-]+)", m.group(1)) if m else _TRUE_FALSE.findall(instr.rest)
-            if branches:  # data-dependent: count the branch that does least
-                visit(min(branches, key=lambda b: _size(b, comps)), times)
+            if found := branches(instr):  # data-dependent: count the branch that does least
+                visit(min(found, key=lambda b: _size(b, comps)), times)
 
     visit("ENTRY", 1)
     return dict(mult), loops
@@ -411,9 +420,7 @@ def hlo_stats(
         if not times:
             continue
         for instr in instrs:
-            data_dependent = instr.opcode == "conditional" or (
-                instr.opcode == "while" and not _trip_count(instr, comps)
-            )
+            data_dependent = instr.opcode == "conditional" or (instr.opcode == "while" and not trip_count(instr, comps))
             if data_dependent and (host_decided is None or instr.name in host_decided):
                 where = op_name(instr) or caller_name(name)
                 key = next((s for s in scopes if f"/{s}/" in where), _short(where))

@@ -38,9 +38,11 @@ import numpy as np
 from MaxText.aot.compute_time import compute_breakdown
 from MaxText.aot.hlo_stats import (
     CALLEE,
+    FREE,
     DynamicTrips,
     ExpertRows,
     Instr,
+    branches,
     collective_bytes,
     custom_call_flops,
     dims_of,
@@ -68,8 +70,6 @@ CATEGORIES = (
     "pipeline stage transfers",
     "reshards",
 )
-# Instructions that launch no kernel: they move no bytes and take no time here.
-FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id"}
 
 
 def category(kind: str, name: str) -> str:
@@ -181,7 +181,7 @@ class _CostModel:
         if instr.opcode == "while":
             return self.trips.get(_body(instr), 1) * self.computation_seconds(_body(instr))
         if instr.opcode in ("call", "conditional"):
-            called = [c for _, c in CALLEE.findall(instr.rest)] + _branches(instr)
+            called = [c for _, c in CALLEE.findall(instr.rest)] + branches(instr)
             times = [self.computation_seconds(c) for c in called]
             return min(times) if instr.opcode == "conditional" and times else sum(times)
         names = re.findall(r"%([\w.\-]+)", instr.rest.split(")")[0])
@@ -208,9 +208,8 @@ class _CostModel:
                 for _, callee in CALLEE.findall(instr.rest):
                     self.leaf_times(callee, times, out)
             elif instr.opcode == "conditional":
-                branches = _branches(instr)
-                if branches:
-                    self.leaf_times(min(branches, key=self.computation_seconds), times, out)
+                if found := branches(instr):
+                    self.leaf_times(min(found, key=self.computation_seconds), times, out)
             else:
                 out.setdefault(instr.name, [instr, 0.0])[1] += times
 
@@ -240,14 +239,6 @@ class _CostModel:
         else:  # an all-reduce is a reduce-scatter and an all-gather
             nvl, net = gather_link_bytes(nbytes * (2 if kind == "all-reduce" else 1), n // r, r)
         return nvl, net, link_seconds(nvl, net, self.system)
-
-
-def _branches(instr: Instr) -> list[str]:
-    """A conditional's branch computations."""
-    called = re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", instr.rest)
-    if m := re.search(r"branch_computations=\{([^}]*)\}", instr.rest):
-        called += re.findall(r"%?([\w.\-]+)", m.group(1))
-    return called
 
 
 SLICING = ("dynamic-slice", "slice", "gather")
