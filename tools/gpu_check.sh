@@ -11,11 +11,13 @@
 #   4. the same at the Blackwell recipes' share (expert parallelism 64: 4 experts, 32,768 rows);
 #   5. trains deepseek3-small for 30 steps with the default backend, then 6. with blocked: the whole
 #      step's tokens/s, TFLOP/s and MFU on this GPU, and their ratio;
-#   7. tokamax's grouped GEMMs at the Hopper shape against the dense GEMM, each of the three alone.
+#   7. the two small-model runs' steps as tools/aot_compile.py models them for this GPU (the roofline of XLA's
+#      schedule), beside their measured step times: what calibrates that model;
+#   8. tokamax's grouped GEMMs at the Hopper shape against the dense GEMM, each of the three alone.
 # Each section has its own time limit and a failed section does not stop the next; the exit code is
 # the number of sections that failed. Figures go to stdout and, as files, to $OUT (default:
-# outputs/gpu-check): at most eight files, one folder deep. MOE_SHAPE, MOE_SHAPE_EP64 and GEMM_SHAPE
-# replace the shape flags of sections 3, 4 and 7 (a CPU rehearsal of this script runs them small).
+# outputs/gpu-check): at most ten files, one folder deep. MOE_SHAPE, MOE_SHAPE_EP64 and GEMM_SHAPE
+# replace the shape flags of sections 3, 4 and 8 (a CPU rehearsal of this script runs them small).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -92,6 +94,30 @@ print(f\"MFU: default {a['mfu']:.4f}, blocked {b['mfu']:.4f}, ratio {a['mfu'] / 
 "
 }
 
+model_vs_run() {  # the small model's step as tools/aot_compile.py models it for this GPU, beside the two runs' times
+  local target
+  target=$($PY -c "
+import jax
+kind = jax.devices()[0].device_kind.lower().replace(' ', '')
+print(next((t for t in ('gb300', 'gb200', 'b200', 'h200', 'h100') if t in kind), ''))
+")
+  [ -n "$target" ] || { echo "no compile target for this GPU"; return 1; }
+  $PY tools/aot_compile.py --target "$target" --devices 1 model_name=deepseek3-small --json > "$OUT/small_model.json" || return
+  $PY tools/aot_compile.py --target "$target" --devices 1 model_name=deepseek3-small moe_matmul=blocked --json \
+    > "$OUT/small_blocked_model.json" || return
+  $PY -c "
+import json, statistics
+for run, model in (('small', 'small_model'), ('small-blocked', 'small_blocked_model')):
+    rows = [json.loads(l) for l in open('$OUT/' + run + '.jsonl') if '\"event\"' not in l]
+    measured = statistics.median(r['step_time_s'] for r in rows[len(rows) // 2:])  # past compilation and warm-up
+    m = json.load(open('$OUT/' + model + '.json'))
+    o = m['overlap']
+    print(f\"{run}: measured {measured:.4f} s per step, modelled {o['step_seconds']:.4f} s \"
+          f\"(measured / modelled {measured / o['step_seconds']:.2f}); host round-trips {m['host_syncs']}\")
+    print('  modelled computation by kind:', {k: round(v, 4) for k, v in o['compute']['by_kind'].items()})
+"
+}
+
 gemms() {  # tokamax's three grouped GEMMs alone against a dense GEMM of the same FLOPs
   # shellcheck disable=SC2086
   $PY tools/bench_grouped_gemm.py ${GEMM_SHAPE:-} --json > "$OUT/grouped_gemm.json" || return
@@ -107,7 +133,7 @@ MOE_SHAPE=${MOE_SHAPE:---tokens 4096 --d-model 7168 --ffn 2048 --experts 32 --to
 MOE_SHAPE_EP64=${MOE_SHAPE_EP64:---tokens 8192 --d-model 7168 --ffn 2048 --experts 4 --top-k 4 --routings balanced}
 GEMM_SHAPE=${GEMM_SHAPE:-}
 export PY OUT RUNS GEMM_SHAPE
-export -f packages train bench_moe mfu_ratio gemms
+export -f packages train bench_moe mfu_ratio model_vs_run gemms
 section packages 60 packages
 section "deepseek3-tiny, 60 steps, bfloat16" 90 train tiny-none steps=60
 # shellcheck disable=SC2086
@@ -121,6 +147,7 @@ section "deepseek3-small, 30 steps, default backend (tokamax): tokens/s, TFLOP/s
 section "deepseek3-small, 30 steps, moe_matmul=blocked (the previous default)" 90 \
   train small-blocked model_name=deepseek3-small steps=30 moe_matmul=blocked
 section "deepseek3-small: default over blocked" 10 mfu_ratio
+section "deepseek3-small: the compiled step as modelled for this GPU, beside the measured step" 240 model_vs_run
 section "tokamax's grouped GEMMs alone, against the dense GEMM" 60 gemms
 rm -rf "$RUNS"
 echo "== $failed section(s) failed"
