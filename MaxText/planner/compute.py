@@ -41,10 +41,17 @@ def gemm_precision(precision: str, fp8_kernels: str) -> str:
 
 
 def math_times(
-    spec: ModelSpec, layout: Layout, system: System, stack: Stack, precision: str, fp8_kernels: str = "fused"
+    spec: ModelSpec,
+    layout: Layout,
+    system: System,
+    stack: Stack,
+    precision: str,
+    fp8_kernels: str = "fused",
+    exchange_buffer_factor: float = 2.0,
 ) -> dict[str, float]:
-    """Seconds per step by kernel class: dense, grouped, attention (GEMMs), elementwise, host, and
-    the quantization passes of emulated FP8."""
+    """Seconds per step by kernel class: dense, grouped, attention (GEMMs), elementwise, host, the
+    MoE buffers' passes of a sort-based dispatch (``Stack.moe_buffer_passes``), and the
+    quantization passes of emulated FP8."""
     tokens = layout.gbs * spec.seq_len / layout.num_gpus
     extra = 1.0 + RECOMPUTE[layout.remat]
     emulated = precision != "bf16" and fp8_kernels == "emulated"
@@ -59,11 +66,17 @@ def math_times(
         else:
             rate = system.peak_flops(runs_at) * efficiency * (stack.grouped_scale if kind == "grouped" else 1.0)
         rerun = circular.rerun_extra(spec, kind) if pipelined else 0.0
+        if kind == "grouped" and stack.routed_recompute and layout.remat in ("minimal", "selective"):
+            rerun += RECOMPUTE["full"]  # the routed experts' forward, once more
         times[kind] = tokens * flops * (extra + rerun) / rate
     rerun = circular.rerun_extra(spec, "dense") if pipelined else 0.0
     times["elementwise"] = (
         tokens * spec.act_none * ACTIVATION_BYTES * ELEMENTWISE_PASSES * (extra + rerun) / system.hbm_bw
     )
+    if stack.moe_buffer_passes:  # the exchange's slots and layouts take the factor; one device's layout, K rows
+        factor = exchange_buffer_factor if layout.ep > 1 else 1.0
+        row_bytes = factor * spec.top_k * spec.d_model * ACTIVATION_BYTES
+        times["moe buffers"] = tokens * spec.moe_layers * row_bytes * stack.moe_buffer_passes / system.hbm_bw
     times["host"] = layout.microbatches * (spec.layers / layout.pp) * stack.host_s_per_layer
     if emulated:
         weights = spec.params_dense / (layout.tp * layout.pp) + spec.params_expert / layout.expert_shards

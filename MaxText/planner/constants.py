@@ -64,6 +64,18 @@ class Stack:
     exchange_compute_overlap: float = 0.0  # fraction of compute time that hides whatever of the
     #                    exchange and the pipeline sends ``dispatch_overlap`` leaves (a schedule that
     #                    runs one chunk's exchange under another chunk's computation: DualPipe 1.0)
+    # Shares of a kind's link time a compiled schedule hides (XLA:GPU's, read from the compiled
+    # program by tools/aot_compile.py): where set, they replace the compute-fraction terms above.
+    fsdp_hidden: float | None = None  # FSDP weight gathers and gradient scatters together
+    dp_hidden: float | None = None  # the data-parallel gradient all-reduces
+    vocab_hidden: float = 0.0  # the vocabulary split's token traffic
+    # HBM passes per step over each MoE layer's exchange and expert-layout buffers
+    # (``moe_ep_buffer_factor`` x K rows of D per token): the gathers, scatters, weighting and
+    # copies of a sort-based dispatch that fused kernels (TE's permutation, DeepEP) do not make.
+    moe_buffer_passes: float = 0.0
+    # ``minimal`` remat recomputes the routed experts' forward (their GEMMs run inside the
+    # exchange's rematerialised rounds, and the kernels' outputs are not the dots it keeps).
+    routed_recompute: bool = False
 
 
 STACKS: dict[str, Stack] = {
@@ -138,6 +150,35 @@ STACKS: dict[str, Stack] = {
             fp8_dispatch=True,
             usable_hbm=0.9,
         ),
+        Stack(
+            name="xla",
+            summary="this repository without Transformer Engine, as XLA:GPU compiles it: tokamax's grouped "
+            "GEMMs, the ragged_all_to_all exchange, the latency-hiding scheduler's overlap (the recipes' XLA flags)",
+            runs_here=True,
+            state="sharded",
+            exchange="all_to_all",
+            # Every term below is read from XLA:GPU's compile of the GB200 recipe (256 GPUs, expert 64 x
+            # fsdp 2 x data 2, remat minimal; recipes/README.md, docs/LOG.md 2026-12-05): the shares
+            # of each kind's modelled link time the schedule places computation against.
+            dispatch_efficiency=0.80,  # XLA's collectives at the planner's COLLECTIVE_EFFICIENCY, as the AOT model
+            dispatch_overlap=0.25,  # the exchange's ragged-all-to-alls: 25% hidden (406 of 1,230 synchronous)
+            fsdp_overlap=0.0,  # replaced by fsdp_hidden
+            dp_overlap=0.0,  # replaced by dp_hidden
+            grouped_scale=1.0,  # tokamax's kernels, as te-jax
+            host_s_per_layer=0.0,  # command buffers: the compile decides no loop or conditional on the host
+            fp8_dispatch=True,
+            usable_hbm=0.9,
+            # gathers 51% hidden (the pipelined all-gather prefetches a layer ahead), scatters 18%
+            # (each layer's reduce-scatter waits inside its own iteration): 0.40 of their time together
+            fsdp_hidden=0.40,
+            dp_hidden=0.53,  # the gradient all-reduces over data, issued inside the layers' backward loop
+            vocab_hidden=0.12,
+            # 0.30 s of bytes-bound time per step in the routed experts' scopes and the exchange's
+            # buffer copies, over 59 MoE layers of 0.94 GB of buffers (factor 2 x 8 x 7,168 x 2 B
+            # per token x 4,096 tokens) at 8 TB/s: 43 passes (forward 14, recompute 11, backward 18)
+            moe_buffer_passes=43.0,
+            routed_recompute=True,  # the compile's HLO FLOPs are 1.23x the accounting's at remat minimal
+        ),
         # DeepSeek-V3's own, from its technical report (section 3.2), fitted to nothing: the
         # held-out check of the communication model (calibration.held_out_points)
         Stack(
@@ -160,4 +201,19 @@ STACKS: dict[str, Stack] = {
         ),
     )
 }
-DEFAULT_STACK = "te-jax"
+
+
+def default_stack() -> str:
+    """The stack this repository runs here: ``te-jax`` where Transformer Engine's JAX package is
+    installed (its exchange and kernels are taken on a GPU), else ``xla``, the XLA-native path
+    the GPU-target compile measures. TE's stack stays a what-if (``--stack te-jax``)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("transformer_engine.jax") is not None
+    except (ImportError, ValueError):  # a broken or partial install
+        found = False
+    return "te-jax" if found else "xla"
+
+
+DEFAULT_STACK = default_stack()

@@ -1,13 +1,16 @@
 """Step time, TFLOPS/GPU, MFU and scaling efficiency of one layout: the parts combined.
 
-    compute  = GEMMs + elementwise + host                       (compute.py)
+    compute  = GEMMs + elementwise + MoE buffers + host          (compute.py)
     exposed  = tensor-parallel collectives                       (on the critical path)
-             + the vocabulary split's token traffic              (likewise: XLA:GPU hid 25% of it)
+             + the vocabulary split's token traffic x (1 - vocab_hidden)
              + dispatch x (1 - dispatch_overlap)                 } less what exchange_compute_overlap x
              + pipeline sends x (1 - dispatch_overlap)            } compute hides (DualPipe's schedule);
                                                                     this repository's sends: all exposed
-             + max(0, fsdp - fsdp_overlap x compute)             (gathers hide behind other layers)
+             + max(0, fsdp - fsdp_overlap x compute)             (gathers hide behind other layers;
+                                                                   fsdp x (1 - fsdp_hidden) for a stack
+                                                                   whose schedule's share is measured)
     step     = (compute + exposed) x (1 + bubble) + max(0, dp - dp_overlap x compute / m) + optimizer
+                                                                  (dp x (1 - dp_hidden) likewise)
     bubble   = (pp - 1) / (vpp x m)                              (m micro-batches: interleaved 1F1B's and
                                                                    this repository's, circular.py)
 
@@ -160,9 +163,16 @@ class Estimate:
 
 
 def _time(
-    spec: ModelSpec, layout: Layout, system: System, stack: Stack, precision: str, fp8_kernels: str, state_bytes: float
+    spec: ModelSpec,
+    layout: Layout,
+    system: System,
+    stack: Stack,
+    precision: str,
+    fp8_kernels: str,
+    state_bytes: float,
+    exchange_buffer_factor: float = 2.0,
 ):
-    math = math_times(spec, layout, system, stack, precision, fp8_kernels)
+    math = math_times(spec, layout, system, stack, precision, fp8_kernels, exchange_buffer_factor)
     compute = sum(math.values())
     comms = collectives(spec, layout, system, stack, fp8_dispatch_bytes(spec, stack, precision))
     by_kind = {
@@ -177,10 +187,14 @@ def _time(
     share = 1 - hidden / (dispatch + sends) if dispatch + sends else 0.0
     exposed = {
         "dispatch": dispatch * share,
-        "tensor": by_kind["tensor"] + by_kind["vocab"],
+        "tensor": by_kind["tensor"] + by_kind["vocab"] * (1 - stack.vocab_hidden),
         "pipeline": sends * share,
-        "fsdp": max(0.0, by_kind["fsdp"] - stack.fsdp_overlap * compute),
-        "dp": max(0.0, by_kind["dp"] - stack.dp_overlap * compute / m),
+        "fsdp": max(0.0, by_kind["fsdp"] - stack.fsdp_overlap * compute)
+        if stack.fsdp_hidden is None
+        else by_kind["fsdp"] * (1 - stack.fsdp_hidden),
+        "dp": max(0.0, by_kind["dp"] - stack.dp_overlap * compute / m)
+        if stack.dp_hidden is None
+        else by_kind["dp"] * (1 - stack.dp_hidden),
         "optimizer": optimizer_time(state_bytes, system),
     }
     bubble = (layout.pp - 1) / (layout.vpp * m)
@@ -204,7 +218,9 @@ def estimate(
     kernels, as the published runs, or ``emulated``, this repository's path."""
     layout.check(spec.num_experts, spec.heads, spec.kv_heads)
     memory = memory_per_gpu(spec, layout, stack, precision, exchange_buffer_factor, fp8_kernels)
-    math, comms, exposed, bubble, step = _time(spec, layout, system, stack, precision, fp8_kernels, memory["state"])
+    math, comms, exposed, bubble, step = _time(
+        spec, layout, system, stack, precision, fp8_kernels, memory["state"], exchange_buffer_factor
+    )
     tflops = model_flops_per_gpu(spec, layout) / step / 1e12
     tokens_per_s = layout.gbs * spec.seq_len / layout.num_gpus / step
     scaling_efficiency = None
@@ -212,7 +228,9 @@ def estimate(
         one_domain = replace(layout, dcn={})
         one_domain = replace(one_domain, gbs=one_domain.mbs * one_domain.replicas * layout.microbatches)
         if one_domain.num_gpus < layout.num_gpus:
-            _, _, _, _, ref_step = _time(spec, one_domain, system, stack, precision, fp8_kernels, memory["state"])
+            _, _, _, _, ref_step = _time(
+                spec, one_domain, system, stack, precision, fp8_kernels, memory["state"], exchange_buffer_factor
+            )
             ref_tflops = model_flops_per_gpu(spec, one_domain) / ref_step / 1e12
             scaling_efficiency = tflops / ref_tflops
         else:
