@@ -114,6 +114,9 @@ for run, model in (('small', 'small_model'), ('small-blocked', 'small_blocked_mo
     o = m['overlap']
     print(f\"{run}: measured {measured:.4f} s per step, modelled {o['step_seconds']:.4f} s \"
           f\"(measured / modelled {measured / o['step_seconds']:.2f}); host round-trips {m['host_syncs']}\")
+    c = o['compute']
+    print(f\"  kernels per step {c['kernels']:.0f}, iterations of loops the data decides {c['data_dependent_iterations']:.0f}\"
+          f\" holding {c['kernels_in_data_dependent_loops']:.0f} kernels\")
     print('  modelled computation by kind:', {k: round(v, 4) for k, v in o['compute']['by_kind'].items()})
 "
 }
