@@ -44,6 +44,10 @@ ARCH_671B = [
     "max_target_length=4096",
     "ici_expert_parallelism=16",  # expert 16 x fsdp 4: 64 GPUs, one NVL72 rack
     "ici_fsdp_parallelism=4",
+    # One sequence per GPU needs neither the GB200 recipe's full remat nor its exchange chunks
+    # (which leave one conditional of the layout passes on the host: docs/moe.md).
+    "remat_policy=minimal",
+    "moe_exchange_chunks=1",
 ]
 DEVICES = 64
 

@@ -220,6 +220,13 @@ def test_buffer_factor_must_be_positive():
         make_config("moe_ep_buffer_factor=0")
 
 
+def test_exchange_chunks_are_refused_where_the_exchange_is_not_chunked():
+    """Transformer Engine's exchange takes a device's tokens whole: chunks would be ignored."""
+    config = make_config("moe_ep_comm=te", "moe_exchange_chunks=2", *MESH)
+    with pytest.raises(ConfigError, match="'moe_exchange_chunks': 2, but moe_ep_comm resolves to te"):
+        check_backend(config, "gpu")
+
+
 def test_exchange_chunks_must_divide_a_devices_tokens():
     with pytest.raises(ConfigError, match="'moe_exchange_chunks': 3 chunks do not divide .* \\(32\\) tokens"):
         make_config("per_device_batch_size=2", "max_target_length=16", "moe_exchange_chunks=3")

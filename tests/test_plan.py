@@ -343,7 +343,7 @@ def test_the_xla_stack_costs_what_the_compiled_program_showed(v3):
     """The XLA-native stack against Transformer Engine's on the GB200 recipe's layout: the hidden
     shares read from XLA:GPU's schedule replace the compute-fraction overlap, the sort-based
     dispatch streams its buffers ``moe_buffer_passes`` times, and minimal remat reruns the routed
-    experts' forward (+1/3 of their training FLOPs)."""
+    experts' input projections (+2/9 of their training FLOPs)."""
     xla, system = XLA, SYSTEMS["gb200-nvl72"]
     layout = Layout({"expert": 64}, {"fsdp": 2, "data": 2}, mbs=1, gbs=256, remat="minimal")
     ours, te = estimate(v3, layout, system, xla), estimate(v3, layout, system, TE)
@@ -354,7 +354,7 @@ def test_the_xla_stack_costs_what_the_compiled_program_showed(v3):
     tokens = layout.gbs * v3.seq_len / layout.num_gpus
     buffers = tokens * v3.moe_layers * 2.0 * v3.top_k * v3.d_model * 2 * xla.moe_buffer_passes / system.hbm_bw
     assert ours.math["moe buffers"] == pytest.approx(buffers) and "moe buffers" not in te.math
-    assert ours.math["grouped"] == pytest.approx(te.math["grouped"] * 4 / 3)
+    assert ours.math["grouped"] == pytest.approx(te.math["grouped"] * 11 / 9)
     assert ours.step_time > te.step_time
 
 
@@ -364,7 +364,7 @@ def test_the_default_stack_is_the_one_installed():
 
     from MaxText.planner.constants import DEFAULT_STACK
 
-    assert DEFAULT_STACK == ("te-jax" if importlib.util.find_spec("transformer_engine") else "xla")
+    assert DEFAULT_STACK == ("te-jax" if importlib.util.find_spec("transformer_engine") is not None else "xla")
 
 
 # ---------------------------------------------------------------- node-limited routing, held out

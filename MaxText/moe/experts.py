@@ -210,6 +210,11 @@ def check_backend(config: Config, platform: str) -> None:
             "install requirements-gpu.txt in a CUDA image (docker/Dockerfile.gpu) or choose blocked/ragged_dot"
         )
     exchange = resolve_exchange(config.moe_ep_comm, platform)
+    if exchange == "te" and config.moe_exchange_chunks > 1:
+        raise ConfigError(
+            f"config key 'moe_exchange_chunks': {config.moe_exchange_chunks}, but moe_ep_comm resolves to te, whose "
+            "exchange is not chunked; set 1, or moe_ep_comm=ragged_all_to_all"
+        )
     if exchange == "ragged_all_to_all" and platform == "cpu":
         raise ConfigError(
             "config key 'moe_ep_comm': ragged_all_to_all runs on GPU/TPU only (XLA:CPU does not implement "

@@ -67,7 +67,7 @@ def math_times(
             rate = system.peak_flops(runs_at) * efficiency * (stack.grouped_scale if kind == "grouped" else 1.0)
         rerun = circular.rerun_extra(spec, kind) if pipelined else 0.0
         if kind == "grouped" and stack.routed_recompute and layout.remat in ("minimal", "selective"):
-            rerun += RECOMPUTE["full"]  # the routed experts' forward, once more
+            rerun += RECOMPUTE["full"] * 2 / 3  # their two input projections, once more
         times[kind] = tokens * flops * (extra + rerun) / rate
     rerun = circular.rerun_extra(spec, "dense") if pipelined else 0.0
     times["elementwise"] = (

@@ -73,8 +73,9 @@ class Stack:
     # (``moe_ep_buffer_factor`` x K rows of D per token): the gathers, scatters, weighting and
     # copies of a sort-based dispatch that fused kernels (TE's permutation, DeepEP) do not make.
     moe_buffer_passes: float = 0.0
-    # ``minimal`` remat recomputes the routed experts' forward (their GEMMs run inside the
-    # exchange's rematerialised rounds, and the kernels' outputs are not the dots it keeps).
+    # ``minimal`` remat reruns the routed experts' input projections (their GEMMs run inside the
+    # exchange's rematerialised rounds, and the kernels' outputs are not the dots it keeps; the
+    # down-projection's output no gradient needs): +2/9 of their training FLOPs.
     routed_recompute: bool = False
 
 
@@ -157,15 +158,18 @@ STACKS: dict[str, Stack] = {
             runs_here=True,
             state="sharded",
             exchange="all_to_all",
-            # Every term below is read from XLA:GPU's compile of the GB200 recipe (256 GPUs, expert 64 x
-            # fsdp 2 x data 2, remat minimal; recipes/README.md, docs/LOG.md 2026-12-05): the shares
-            # of each kind's modelled link time the schedule places computation against.
+            # Every term below is read from XLA:GPU's compile of the GB200 recipe as it stood (256
+            # GPUs, expert 64 x fsdp 2 x data 2, 1 sequence per GPU, remat minimal; docs/LOG.md
+            # 2026-12-05): the shares of each kind's modelled link time the schedule places
+            # computation against. The schedule's shares move with the program (docs/planner.md).
             dispatch_efficiency=0.80,  # XLA's collectives at the planner's COLLECTIVE_EFFICIENCY, as the AOT model
             dispatch_overlap=0.25,  # the exchange's ragged-all-to-alls: 25% hidden (406 of 1,230 synchronous)
             fsdp_overlap=0.0,  # replaced by fsdp_hidden
             dp_overlap=0.0,  # replaced by dp_hidden
             grouped_scale=1.0,  # tokamax's kernels, as te-jax
-            host_s_per_layer=0.0,  # command buffers: the compile decides no loop or conditional on the host
+            # command buffers hold every loop; the exchange's overflow conditionals (about 3 per MoE
+            # layer and step) read a predicate on the host, some 1e-4 s a layer: left out, as te-jax
+            host_s_per_layer=0.0,
             fp8_dispatch=True,
             usable_hbm=0.9,
             # gathers 51% hidden (the pipelined all-gather prefetches a layer ahead), scatters 18%
@@ -173,11 +177,11 @@ STACKS: dict[str, Stack] = {
             fsdp_hidden=0.40,
             dp_hidden=0.53,  # the gradient all-reduces over data, issued inside the layers' backward loop
             vocab_hidden=0.12,
-            # 0.30 s of bytes-bound time per step in the routed experts' scopes and the exchange's
-            # buffer copies, over 59 MoE layers of 0.94 GB of buffers (factor 2 x 8 x 7,168 x 2 B
-            # per token x 4,096 tokens) at 8 TB/s: 43 passes (forward 14, recompute 11, backward 18)
-            moe_buffer_passes=43.0,
-            routed_recompute=True,  # the compile's HLO FLOPs are 1.23x the accounting's at remat minimal
+            # 0.29 s of bytes-bound time per step in the routed experts' scopes (0.212 s, MTP's 0.017)
+            # and the exchange's buffer copies (0.061), over 59 MoE layers of 0.94 GB of buffers
+            # (factor 2 x 8 x 7,168 x 2 B per token x 4,096 tokens) at 8 TB/s: 42 passes
+            moe_buffer_passes=42.0,
+            routed_recompute=True,  # the compile's routed-expert HLO FLOPs: the accounting's x 11/9
         ),
         # DeepSeek-V3's own, from its technical report (section 3.2), fitted to nothing: the
         # held-out check of the communication model (calibration.held_out_points)
@@ -204,14 +208,15 @@ STACKS: dict[str, Stack] = {
 
 
 def default_stack() -> str:
-    """The stack this repository runs here: ``te-jax`` where Transformer Engine's JAX package is
-    installed (its exchange and kernels are taken on a GPU), else ``xla``, the XLA-native path
-    the GPU-target compile measures. TE's stack stays a what-if (``--stack te-jax``)."""
+    """The stack to plan with by default: ``te-jax`` where Transformer Engine's JAX package is
+    installed (``moe_ep_comm: auto`` then takes its exchange on a GPU), else ``xla``, the
+    XLA-native path the GPU-target compile measures. Only the package's presence is asked:
+    nothing of it is imported."""
     import importlib.util
 
     try:
-        found = importlib.util.find_spec("transformer_engine.jax") is not None
-    except (ImportError, ValueError):  # a broken or partial install
+        found = importlib.util.find_spec("transformer_engine") is not None
+    except Exception:  # a broken install: plan as without it
         found = False
     return "te-jax" if found else "xla"
 

@@ -162,7 +162,7 @@ def buffer_bytes(
         name = "allgather" if stack.exchange == "allgather" else "ragged_all_to_all"
         # In chunks (moe_exchange_chunks) each chunk sizes its own buffers, and XLA's schedule
         # keeps two chunks' alive at once (one exchanging while the other computes).
-        chunks = spec.config.moe_exchange_chunks
+        chunks = spec.config.moe_exchange_chunks if name != "allgather" else 1
         exchange = min(chunks, 2) * moe_working_bytes(config, int(t) // chunks, layout.ep, name)
     elif stack.exchange == "allgather":
         exchange = 2 * t * layout.ep * D * ACTIVATION_BYTES
