@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from MaxText.aot.hlo_stats import CALLEE, FREE, Instr, branches, op_name, trip_count
+from MaxText.aot.hlo_stats import CALLEE, Instr, op_name
 
 PASSES = ("forward", "recompute", "backward")
 STACKS = ("moe_layers", "dense_layers", "mtp", "vocab_split")
@@ -61,49 +61,14 @@ def kind_of(instr: Instr, comps: dict[str, list[Instr]], flop_bound: bool, has_f
     return "elementwise"
 
 
-def launch_counts(model, comp: str = "ENTRY") -> dict[str, float]:
-    """Kernels launched per step (every instruction that takes time), and the iterations of
-    loops whose trip count the data decides, with the kernels inside them: on XLA:GPU such a
-    loop outside a command buffer reads its predicate on the host every iteration (a round-trip
-    during which the GPU waits) and launches its body's kernels one by one. What the roofline
-    leaves out; ``tools/gpu_check.sh`` measures it."""
-    counts = {"kernels": 0.0, "data_dependent_iterations": 0.0, "kernels_in_data_dependent_loops": 0.0}
-
-    def walk(name: str, times: float, dynamic: bool) -> None:
-        for instr in model.comps.get(name, []):
-            if instr.opcode in FREE or instr.opcode.endswith("-done"):
-                continue
-            if instr.opcode == "while":
-                body = re.search(r"body=%?([\w.\-]+)", instr.rest).group(1)
-                runs = times * model.trips.get(body, 1)
-                decided_by_data = not trip_count(instr, model.comps)
-                if decided_by_data:
-                    counts["data_dependent_iterations"] += runs
-                walk(body, runs, dynamic or decided_by_data)
-            elif instr.opcode in ("call", "conditional"):
-                called = [c for _, c in CALLEE.findall(instr.rest)]
-                if found := branches(instr):
-                    called.append(min(found, key=model.computation_seconds))
-                for c in called:
-                    walk(c, times, dynamic)
-            else:
-                counts["kernels"] += times
-                if dynamic:
-                    counts["kernels_in_data_dependent_loops"] += times
-
-    walk(comp, 1.0, False)
-    return counts
-
-
 def compute_breakdown(model, comp: str = "ENTRY") -> dict:
     """The modelled computation time of ``comp`` (a ``overlap._CostModel``), split as the module
     docstring says; all figures are seconds per step."""
-    leaves: dict[str, list] = {}
-    model.leaf_times(comp, 1.0, leaves)
+    leaves, iterations = model.leaves(comp)
     by_scope: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     by_kind: dict[str, float] = defaultdict(float)
     items = []
-    for instr, runs in leaves.values():
+    for instr, runs, _ in leaves.values():
         flops = model.instr_flops(instr)
         seconds = runs * model.seconds(instr)
         if seconds <= 0:
@@ -122,7 +87,12 @@ def compute_breakdown(model, comp: str = "ENTRY") -> dict:
     items.sort(reverse=True)
     order = sorted(by_scope, key=lambda s: -(by_scope[s]["GEMM"] + by_scope[s]["bytes"]))
     return {
-        **launch_counts(model, comp),
+        # Kernels launched per step, and the iterations of loops the data decides with the kernels
+        # inside them: such a loop outside a command buffer reads its predicate on the host every
+        # iteration and launches its body's kernels one by one, which the roofline leaves out.
+        "kernels": sum(runs for _, runs, _ in leaves.values()),
+        "data_dependent_iterations": iterations,
+        "kernels_in_data_dependent_loops": sum(in_loops for _, _, in_loops in leaves.values()),
         "seconds": total,
         "gemm_seconds": by_kind.get("GEMM", 0.0),
         "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),

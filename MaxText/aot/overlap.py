@@ -52,6 +52,7 @@ from MaxText.aot.hlo_stats import (
     parse_computations,
     replica_groups,
     shape_bytes,
+    trip_count,
     tuple_elements,
 )
 from MaxText.layers.vocab_parallel import VOCAB_SCOPE
@@ -195,23 +196,37 @@ class _CostModel:
             moved = shape_bytes(instr.result) + sum(read)
         return max(self.instr_flops(instr) / self.flops_per_s, moved / self.hbm)
 
-    def leaf_times(self, comp: str, times: float, out: dict[str, list]) -> None:
-        """Every instruction that takes time in one run of ``comp``, as ``computation_seconds``
-        counts them (loops times their trips, a conditional's cheaper branch), gathered into
-        ``out[name] = [instr, runs per step]``."""
-        for instr in self.comps.get(comp, []):
-            if instr.opcode in FREE or instr.opcode.endswith("-done") or collective_bytes(instr, self.types):
-                continue
-            if instr.opcode == "while":
-                self.leaf_times(_body(instr), times * self.trips.get(_body(instr), 1), out)
-            elif instr.opcode == "call":
-                for _, callee in CALLEE.findall(instr.rest):
-                    self.leaf_times(callee, times, out)
-            elif instr.opcode == "conditional":
-                if found := branches(instr):
-                    self.leaf_times(min(found, key=self.computation_seconds), times, out)
-            else:
-                out.setdefault(instr.name, [instr, 0.0])[1] += times
+    def leaves(self, comp: str = "ENTRY") -> tuple[dict[str, list], float]:
+        """Every instruction that launches a kernel in one run of ``comp``, as
+        ``computation_seconds`` walks them (loops times their trips, a conditional's cheaper
+        branch): ``{name: [instr, runs per step, of them inside loops the data decides]}``, and
+        the iterations of those loops per step."""
+        found: dict[str, list] = {}
+        iterations = 0.0
+
+        def walk(name: str, times: float, decided_by_data: bool) -> None:
+            nonlocal iterations
+            for instr in self.comps.get(name, []):
+                if instr.opcode in FREE or instr.opcode.endswith("-done"):
+                    continue
+                if instr.opcode == "while":
+                    runs = times * self.trips.get(_body(instr), 1)
+                    by_data = not trip_count(instr, self.comps)
+                    iterations += runs if by_data else 0.0
+                    walk(_body(instr), runs, decided_by_data or by_data)
+                elif instr.opcode in ("call", "conditional"):
+                    called = [c for _, c in CALLEE.findall(instr.rest)]
+                    if taken := branches(instr):
+                        called.append(min(taken, key=self.computation_seconds))
+                    for callee in called:
+                        walk(callee, times, decided_by_data)
+                else:
+                    leaf = found.setdefault(instr.name, [instr, 0.0, 0.0])
+                    leaf[1] += times
+                    leaf[2] += times if decided_by_data else 0.0
+
+        walk(comp, 1.0, False)
+        return found, iterations
 
     def computation_seconds(self, comp: str) -> float:
         if comp not in self._seconds:
