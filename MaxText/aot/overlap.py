@@ -261,14 +261,29 @@ SLICING = ("dynamic-slice", "slice", "gather")
 
 def _bytes_read(body: list[Instr], index: int, size: float) -> float:
     """Bytes a fused computation reads of its ``index``-th operand (``size`` bytes): only the
-    slices where slicing ops are its only users (a layer's slice of a scan's stacked weights)."""
+    slices where slicing ops are its only users (a layer's slice of a scan's stacked weights),
+    directly or through bitcasts (views of the same bytes)."""
     if len(body) == 1:  # not a fusion: the instruction itself
         return shape_bytes(body[0].result) if body[0].opcode in SLICING and index == 0 else size
     param = next((i.name for i in body if i.opcode == "parameter" and re.match(rf"\s*{index}\)", i.rest)), None)
-    users = [i for i in body if param and re.search(rf"%{re.escape(param)}\b", i.rest.split(")")[0])]
-    if users and all(u.opcode in SLICING for u in users):
-        return min(size, sum(shape_bytes(u.result) for u in users))
-    return size
+    if param is None:
+        return size
+    slices, views, seen = [], [param], {param}
+    while views:
+        name = views.pop()
+        users = [i for i in body if re.search(rf"%{re.escape(name)}(?![\w.\-])", i.rest.split(")")[0])]
+        if not users:  # the fusion's result is this view of the whole operand
+            return size
+        for user in users:
+            if user.opcode == "bitcast":
+                if user.name not in seen:
+                    seen.add(user.name)
+                    views.append(user.name)
+            elif user.opcode in SLICING:
+                slices.append(user)
+            else:
+                return size
+    return min(size, sum(shape_bytes(u.result) for u in slices))
 
 
 def _walk(instrs: list[Instr], model: _CostModel, times: float, shares: dict[str, Share]) -> None:

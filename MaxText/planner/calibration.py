@@ -43,7 +43,7 @@ class Point:
     stack: str
     layout: Layout
     published: float
-    metric: str = "tflops"  # or "scaling_efficiency", "tokens_per_s" (per GPU)
+    metric: str = "tflops"  # or "scaling_efficiency", "tokens_per_s" (per GPU), "step_seconds"
     known_miss: str = ""  # why the point is outside the tolerance, if it is (docs/performance.md, test)
     mtp_layers: int = 0  # MTP modules the run trained with
 
@@ -169,6 +169,54 @@ def held_out_points() -> list[Point]:
     ]
 
 
+def compiled_points() -> list[Point]:
+    """The modelled steps of XLA:GPU's compiles of this repository's 671B recipes (one MTP module,
+    bfloat16, the recipes' XLA flags): ``tools/aot_compile.py --target gb200|gb300 --recipe R
+    [key=value ...] --json``, ``overlap.step_seconds`` (docs/planner.md, "The stack this repository
+    runs"). The two shipped recipes are the compiles the ``xla`` stack's terms were read from; the
+    rest were not used for any constant."""
+
+    def gb200(mbs: int, remat: str) -> Layout:
+        return Layout({"expert": 64}, {"fsdp": 2, "data": 2}, mbs=mbs, gbs=256 * mbs, remat=remat)
+
+    def gb300(gpus: int, data: int, mbs: int) -> Layout:
+        fsdp = gpus // 64 // data
+        return Layout({"expert": 64}, {"fsdp": fsdp, "data": data}, mbs=mbs, gbs=gpus * mbs, remat="minimal")
+
+    def point(name: str, system: str, layout: Layout, seconds: float) -> Point:
+        return Point(name, "deepseek3-671b", system, "bf16", "xla", layout, seconds, "step_seconds", mtp_layers=1)
+
+    return [
+        point(
+            "GB200 recipe: 256 GPUs, 4 per GPU, remat full, 4 chunks (terms read from it)",
+            "gb200-nvl72",
+            gb200(4, "full"),
+            7.064,
+        ),
+        point(
+            "GB300 recipe: 1,024 GPUs, 2 per GPU, remat minimal, 2 chunks (terms read from it)",
+            "gb300-nvl72",
+            gb300(1024, 8, 2),
+            3.168,
+        ),
+        # not read from: per_device_batch_size=1 remat_policy=minimal moe_exchange_chunks=1
+        point("GB200 recipe at 1 per GPU, remat minimal, no chunks", "gb200-nvl72", gb200(1, "minimal"), 2.236),
+        # per_device_batch_size=2 remat_policy=full moe_exchange_chunks=1
+        point("GB200 recipe at 2 per GPU, remat full, no chunks", "gb200-nvl72", gb200(2, "full"), 3.704),
+        point(
+            "GB300 recipe at 256 GPUs (--devices 256 dcn_data_parallelism=2)", "gb300-nvl72", gb300(256, 2, 2), 3.119
+        ),
+        # the 1-rack JobSet as it is, but for its Adam moments in bfloat16: the planner's optimizer
+        # update reads and writes them in float32 here (0.043 s where bfloat16 would take 0.03)
+        point(
+            "GB300 one rack (the 1-rack JobSet)",
+            "gb300-nvl72",
+            Layout({"expert": 64}, {}, mbs=1, gbs=64, remat="minimal"),
+            1.621,
+        ),
+    ]
+
+
 def model_spec(name: str, mtp_layers: int = 0) -> ModelSpec:
     if name == "qwen3-235b":
         return qwen3_235b()
@@ -187,7 +235,11 @@ def predict(point: Point, spec: ModelSpec | None = None, stack=None):
 
     spec = spec or model_spec(point.model, point.mtp_layers)
     est = estimate(spec, point.layout, SYSTEMS[point.system], stack or STACKS[point.stack], point.precision)
-    value = {"scaling_efficiency": est.scaling_efficiency, "tokens_per_s": est.tokens_per_s}.get(point.metric)
+    value = {
+        "scaling_efficiency": est.scaling_efficiency,
+        "tokens_per_s": est.tokens_per_s,
+        "step_seconds": est.step_time,
+    }.get(point.metric)
     return (est.tflops if value is None else value), est
 
 
@@ -214,11 +266,12 @@ def ladder(point: Point) -> list[tuple[str, float, float]]:
 
 
 def run_all() -> list[dict]:
-    """Every point, held-out ones last: published, predicted, relative error and what dominates."""
+    """Every point, held-out ones after the fitted ones, the compiled programs last: published (or
+    compiled), predicted, relative error and what dominates."""
     specs: dict[tuple[str, int], ModelSpec] = {}
     rows = []
-    held_out = held_out_points()
-    for point in points() + held_out:
+    held_out, compiled = held_out_points(), compiled_points()
+    for point in points() + held_out + compiled:
         key = (point.model, point.mtp_layers)
         spec = specs.setdefault(key, model_spec(*key))
         value, est = predict(point, spec)
@@ -234,6 +287,7 @@ def run_all() -> list[dict]:
                 "fits": est.fits,
                 "known_miss": point.known_miss,
                 "held_out": point in held_out,
+                "compiled": point in compiled,
             }
         )
     return rows

@@ -5,9 +5,10 @@ Model FLOPs per GPU per step are ``gbs * S * flops_per_token / num_gpus`` for ev
 routing spreads the expert work evenly). ``full`` remat runs each layer's forward twice, so every
 class executes 4/3 of its model FLOPs; ``minimal`` and ``none`` recompute no matmul. GEMMs run at
 the precision's peak (FP8 for fp8 and mxfp8); attention cores run in BF16 at every precision, sped
-up on systems with faster softmax exponentials. Non-GEMM kernels stream the activations through
-HBM ``ELEMENTWISE_PASSES`` times. Host time is launch and synchronisation time a stack without CUDA
-graphs spends per layer per micro-batch. This repository's pipeline reruns its MoE stack's
+up on systems with faster softmax exponentials (a stack with ``gemms_at_dense_rate`` times every
+class as the compiled program's roofline does: at the dense rate, attention at the bfloat16 one).
+Non-GEMM kernels stream the activations through HBM ``Stack.elementwise_passes`` times. Host time
+is launch and synchronisation time a stack without CUDA graphs spends per layer per micro-batch. This repository's pipeline reruns its MoE stack's
 forward (``circular.py``).
 
 FP8 comes in two forms (``fp8_kernels``). ``fused``: the GEMMs run on FP8 tensor cores at the FP8
@@ -21,7 +22,7 @@ GEMMs run at the bfloat16 rate (MX operands are exact in bfloat16).
 from __future__ import annotations
 
 from MaxText.planner import circular
-from MaxText.planner.constants import ACTIVATION_BYTES, ELEMENTWISE_PASSES, GEMM_EFFICIENCY, QUANTIZE_BYTES, Stack
+from MaxText.planner.constants import ACTIVATION_BYTES, GEMM_EFFICIENCY, QUANTIZE_BYTES, Stack
 from MaxText.planner.layout import Layout
 from MaxText.planner.model import ModelSpec
 from MaxText.planner.systems import System
@@ -60,9 +61,12 @@ def math_times(
     pipelined = circular.applies(spec, layout, stack)
     times = {}
     for kind, flops in spec.flops.items():
-        efficiency = GEMM_EFFICIENCY[kind][row]
-        if kind == "attention":
-            rate = system.peak_flops("bf16") * system.attention_speedup * efficiency
+        efficiency = GEMM_EFFICIENCY["dense" if stack.gemms_at_dense_rate else kind][row]
+        if kind == "attention":  # bfloat16 at every precision
+            if stack.gemms_at_dense_rate:
+                rate = system.peak_flops("bf16") * GEMM_EFFICIENCY["dense"]["bf16"]
+            else:
+                rate = system.peak_flops("bf16") * system.attention_speedup * efficiency
         else:
             rate = system.peak_flops(runs_at) * efficiency * (stack.grouped_scale if kind == "grouped" else 1.0)
         rerun = circular.rerun_extra(spec, kind) if pipelined else 0.0
@@ -71,7 +75,7 @@ def math_times(
         times[kind] = tokens * flops * (extra + rerun) / rate
     rerun = circular.rerun_extra(spec, "dense") if pipelined else 0.0
     times["elementwise"] = (
-        tokens * spec.act_none * ACTIVATION_BYTES * ELEMENTWISE_PASSES * (extra + rerun) / system.hbm_bw
+        tokens * spec.act_none * ACTIVATION_BYTES * stack.elementwise_passes * (extra + rerun) / system.hbm_bw
     )
     if stack.moe_buffer_passes:  # the exchange's slots and layouts take the factor; one device's layout, K rows
         factor = exchange_buffer_factor if layout.ep > 1 else 1.0

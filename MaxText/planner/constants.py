@@ -77,6 +77,11 @@ class Stack:
     # exchange's rematerialised rounds, and the kernels' outputs are not the dots it keeps; the
     # down-projection's output no gradient needs): +2/9 of their training FLOPs.
     routed_recompute: bool = False
+    # How a compiled program's roofline times computation (tools/aot_compile.py --target): every
+    # GEMM class, attention cores included, at the dense GEMM rate (the part's faster exponentials
+    # are not in it). False: the fitted ``GEMM_EFFICIENCY`` rows and the system's attention speedup.
+    gemms_at_dense_rate: bool = False
+    elementwise_passes: float = ELEMENTWISE_PASSES  # the non-GEMM kernels' HBM passes (see above)
 
 
 STACKS: dict[str, Stack] = {
@@ -158,12 +163,13 @@ STACKS: dict[str, Stack] = {
             runs_here=True,
             state="sharded",
             exchange="all_to_all",
-            # Every term below is read from XLA:GPU's compile of the GB200 recipe as it stood (256
-            # GPUs, expert 64 x fsdp 2 x data 2, 1 sequence per GPU, remat minimal; docs/LOG.md
-            # 2026-12-05): the shares of each kind's modelled link time the schedule places
+            # Every term below is read from XLA:GPU's compiles of the two shipped recipes (GB200: 256
+            # GPUs, 4 sequences per GPU, remat full, 4 exchange chunks; GB300: 1,024 GPUs, 2 per GPU,
+            # remat minimal, 2 chunks; docs/planner.md has the table), each share pooled over the two
+            # by link time: the part of each kind's modelled link time the schedule places
             # computation against. The schedule's shares move with the program (docs/planner.md).
             dispatch_efficiency=0.80,  # XLA's collectives at the planner's COLLECTIVE_EFFICIENCY, as the AOT model
-            dispatch_overlap=0.25,  # the exchange's ragged-all-to-alls: 25% hidden (406 of 1,230 synchronous)
+            dispatch_overlap=0.30,  # the exchange's ragged-all-to-alls: 23% hidden on GB200, 45% on GB300
             fsdp_overlap=0.0,  # replaced by fsdp_hidden
             dp_overlap=0.0,  # replaced by dp_hidden
             grouped_scale=1.0,  # tokamax's kernels, as te-jax
@@ -172,15 +178,22 @@ STACKS: dict[str, Stack] = {
             host_s_per_layer=0.0,
             fp8_dispatch=True,
             usable_hbm=0.9,
-            # gathers 51% hidden (the pipelined all-gather prefetches a layer ahead), scatters 18%
-            # (each layer's reduce-scatter waits inside its own iteration): 0.40 of their time together
-            fsdp_hidden=0.40,
-            dp_hidden=0.53,  # the gradient all-reduces over data, issued inside the layers' backward loop
-            vocab_hidden=0.12,
-            # 0.29 s of bytes-bound time per step in the routed experts' scopes (0.212 s, MTP's 0.017)
-            # and the exchange's buffer copies (0.061), over 59 MoE layers of 0.94 GB of buffers
-            # (factor 2 x 8 x 7,168 x 2 B per token x 4,096 tokens) at 8 TB/s: 42 passes
-            moe_buffer_passes=42.0,
+            # gathers 70% hidden (the pipelined all-gather prefetches a layer ahead), scatters 23%
+            # (each layer's reduce-scatter waits inside its own iteration): 0.54 of their time together
+            fsdp_hidden=0.54,
+            # the gradient all-reduces over data, issued inside the layers' backward loop: 3% hidden on
+            # GB200, 76% on GB300 (the least stable share of the schedule)
+            dp_hidden=0.37,
+            vocab_hidden=0.10,  # the vocabulary split: 10% hidden on GB200, 8% on GB300
+            # The bytes-bound time in the routed experts' scopes and the exchange's buffer copies
+            # (1.07 s of GB200's step, 0.55 s of GB300's), over 59 MoE layers of ``moe_ep_buffer_factor``
+            # x K x D x 2 bytes per token: 39 passes over those buffers per step
+            moe_buffer_passes=39.0,
+            # the roofline's GEMM time is the compiled program's, and its other bytes-bound kernels
+            # (norms, activations, router, casts: 0.30 s on GB200, 0.19 s on GB300) stream the
+            # activations 3.5 times per pass, where the fitted stacks' unfused kernels take 10
+            gemms_at_dense_rate=True,
+            elementwise_passes=3.5,
             routed_recompute=True,  # the compile's routed-expert HLO FLOPs: the accounting's x 11/9
         ),
         # DeepSeek-V3's own, from its technical report (section 3.2), fitted to nothing: the

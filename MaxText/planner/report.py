@@ -79,12 +79,22 @@ def render_calibration(rows: list[dict], ladders: dict[str, list[tuple[str, floa
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if r.get("compiled"):
+            continue
         fmt = "{:.2f}" if r["metric"] == "scaling_efficiency" else "{:,.0f}"
         name = f"held out: {r['name']}" if r["held_out"] else r["name"]
         lines.append(
             f"| {name} | {fmt.format(r['published'])} | {fmt.format(r['predicted'])} | {100 * r['error']:+.1f}% "
             f"| {r['dominant']} | {100 * r['comm_fraction']:.0f}% |"
         )
+    compiled = [r for r in rows if r.get("compiled")]
+    if compiled:
+        lines += ["", "this repository's recipes as XLA:GPU compiles them: the roofline of the schedule", ""]
+        lines += ["| compiled program | modelled step | planner | error |", "|---|---|---|---|"]
+        lines += [
+            f"| {r['name']} | {r['published']:.2f} s | {r['predicted']:.2f} s | {100 * r['error']:+.1f}% |"
+            for r in compiled
+        ]
     for name, steps in (ladders or {}).items():
         lines += ["", f"held out, {name}: from the exchange the fit assumed to the run's own", ""]
         lines += ["| step | predicted | error |", "|---|---|---|"]
