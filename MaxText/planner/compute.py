@@ -8,8 +8,8 @@ the precision's peak (FP8 for fp8 and mxfp8); attention cores run in BF16 at eve
 up on systems with faster softmax exponentials (a stack with ``gemms_at_dense_rate`` times every
 class as the compiled program's roofline does: at the dense rate, attention at the bfloat16 one).
 Non-GEMM kernels stream the activations through HBM ``Stack.elementwise_passes`` times. Host time
-is launch and synchronisation time a stack without CUDA graphs spends per layer per micro-batch. This repository's pipeline reruns its MoE stack's
-forward (``circular.py``).
+is launch and synchronisation time a stack without CUDA graphs spends per layer per micro-batch.
+This repository's pipeline reruns its MoE stack's forward (``circular.py``).
 
 FP8 comes in two forms (``fp8_kernels``). ``fused``: the GEMMs run on FP8 tensor cores at the FP8
 row of ``GEMM_EFFICIENCY`` (what the published FP8 runs did; the calibration). ``emulated``: this
@@ -61,12 +61,11 @@ def math_times(
     pipelined = circular.applies(spec, layout, stack)
     times = {}
     for kind, flops in spec.flops.items():
-        efficiency = GEMM_EFFICIENCY["dense" if stack.gemms_at_dense_rate else kind][row]
-        if kind == "attention":  # bfloat16 at every precision
-            if stack.gemms_at_dense_rate:
-                rate = system.peak_flops("bf16") * GEMM_EFFICIENCY["dense"]["bf16"]
-            else:
-                rate = system.peak_flops("bf16") * system.attention_speedup * efficiency
+        kind_row = "bf16" if kind == "attention" else row  # attention cores run in bfloat16 at every precision
+        efficiency = GEMM_EFFICIENCY["dense" if stack.gemms_at_dense_rate else kind][kind_row]
+        if kind == "attention":
+            speedup = 1.0 if stack.gemms_at_dense_rate else system.attention_speedup
+            rate = system.peak_flops("bf16") * speedup * efficiency
         else:
             rate = system.peak_flops(runs_at) * efficiency * (stack.grouped_scale if kind == "grouped" else 1.0)
         rerun = circular.rerun_extra(spec, kind) if pipelined else 0.0

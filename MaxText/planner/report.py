@@ -79,7 +79,7 @@ def render_calibration(rows: list[dict], ladders: dict[str, list[tuple[str, floa
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
-        if r.get("compiled"):
+        if r["compiled"]:
             continue
         fmt = "{:.2f}" if r["metric"] == "scaling_efficiency" else "{:,.0f}"
         name = f"held out: {r['name']}" if r["held_out"] else r["name"]
@@ -87,7 +87,7 @@ def render_calibration(rows: list[dict], ladders: dict[str, list[tuple[str, floa
             f"| {name} | {fmt.format(r['published'])} | {fmt.format(r['predicted'])} | {100 * r['error']:+.1f}% "
             f"| {r['dominant']} | {100 * r['comm_fraction']:.0f}% |"
         )
-    compiled = [r for r in rows if r.get("compiled")]
+    compiled = [r for r in rows if r["compiled"]]
     if compiled:
         lines += ["", "this repository's recipes as XLA:GPU compiles them: the roofline of the schedule", ""]
         lines += ["| compiled program | modelled step | planner | error |", "|---|---|---|---|"]
