@@ -88,6 +88,9 @@ class Config(BaseModel):
     async_checkpointing: bool
     checkpoint_device_copy: bool
     load_parameters_path: str
+    enable_emergency_checkpoint: bool
+    local_checkpoint_directory: str
+    local_checkpoint_period: Count
     preemption_check_period: Count
     # batch
     per_device_batch_size: Count
@@ -317,6 +320,11 @@ def check_rules(c: Config) -> None:
         _require(c.vocab_size >= c.synthetic_vocab_size, "synthetic_vocab_size", "must not exceed vocab_size")
     if c.loss_spike_rollback:
         _require(c.enable_checkpointing, "loss_spike_rollback", "needs enable_checkpointing (it rolls back to one)")
+    if c.enable_emergency_checkpoint:
+        _require(
+            c.enable_checkpointing, "enable_emergency_checkpoint", "needs enable_checkpointing (the persistent tier)"
+        )
+        _require(bool(c.local_checkpoint_directory), "local_checkpoint_directory", "must name node-local storage")
     _require(
         c.first_num_dense_layers <= c.base_num_decoder_layers,
         "first_num_dense_layers",

@@ -62,7 +62,7 @@ SKIPPED_WORDS = {"for", "while", "if", "done", "fi", "wait", "cd", "export", "so
 PYTHONS = {"python", "python3", ".venv/bin/python", ".venv-gpu-compile/bin/python"}
 GPU_ONLY_PYTHON = ".venv-gpu-compile/bin/python"
 REPO_PATH_PREFIXES = ("tools/", "recipes/", "docker/", "MaxText/", "tests/", "docs/", ".ci/", "requirements")
-CHEAP_TOOLS = {"tools/model_stats.py", "tools/plan.py"}
+CHEAP_TOOLS = {"tools/model_stats.py", "tools/plan.py", "tools/checkpoint_cost.py"}
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,7 @@ def test_sbatch_launch_gives_each_process_exactly_its_gpu(path):
     """srun takes tasks and GPUs per task from the job, so that sbatch's command line can change
     them; it runs in the image unless PYTHON names an interpreter on the nodes."""
     text = path.read_text()
-    srun = re.search(r"^srun\b.*?MaxText\.train", text, re.M | re.S)
+    srun = re.search(r"^\s*srun\b.*?MaxText\.train", text, re.M | re.S)
     assert srun, "no srun ... python -m MaxText.train"
     assert not re.search(r"--(nodes|ntasks|ntasks-per-node|gpus|gpus-per-task)=", srun.group(0))
     assert '"${CONTAINER_FLAGS[@]}"' in srun.group(0) and '"${PYTHON:-python}" -m MaxText.train' in srun.group(0)
@@ -457,3 +457,21 @@ def test_gpu_image_builds_transformer_engine_without_build_isolation():
 def test_no_cuda_device_max_connections(path):
     """Serialising kernel launches onto one hardware queue hurts Blackwell; it must not be set."""
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in path.read_text()
+
+
+_RUN_BLOCK = re.compile(r"^# ---- run, and restart on a failure.*?^# ---- end of run ----\n", re.M | re.S)
+
+
+def test_every_slurm_recipe_restarts_a_failed_run_the_same_way():
+    """One run block in every Slurm recipe, at its end: any task's death ends the step
+    (--kill-on-bad-exit) and the run starts again in the allocation; the job asks Slurm to requeue
+    it when a node failure ends the allocation."""
+    blocks = set()
+    for path in SBATCH:
+        text = path.read_text()
+        block = _RUN_BLOCK.search(text)
+        assert block and text.endswith(block.group(0)), path.name
+        assert re.search(r"^#SBATCH --requeue$", text, re.M), path.name
+        assert "srun --kill-on-bad-exit=1 " in block.group(0), path.name
+        blocks.add(block.group(0))
+    assert len(blocks) == 1

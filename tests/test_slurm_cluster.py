@@ -27,7 +27,10 @@ a two-process run are exercised in tests/test_train.py (they once crashed gloo, 
 a background thread started Orbax's save, whose collectives crossed the next step's).
 """
 
+import os
 import re
+import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -234,3 +237,99 @@ def test_smoke_recipe_runs_the_mesh_of_a_plan(cluster, submit_env, tmp_path):
     assert {k: config[k] for k in keys if k != "remat_policy"} == {k: v for k, v in keys.items() if k != "remat_policy"}
     assert (config["remat_policy"], config["steps"]) == ("full", 2)  # MAXTEXT_ARGS over the plan
     assert [r["step"] for r in metrics(output / "planned")] == [1, 2]
+
+
+# ---------------------------------------------------------------- two-tier checkpoints, processes killed
+
+
+def training_processes(job_id: str) -> dict[int, int]:
+    """Task rank -> pid of the job's training processes now running."""
+    found = {}
+    for proc in (p for p in Path("/proc").iterdir() if p.name.isdigit()):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"MaxText.train" not in argv or Path(argv[0].decode()).name == "srun":
+                continue
+            env = dict(v.split(b"=", 1) for v in (proc / "environ").read_bytes().split(b"\0") if b"=" in v)
+            if env.get(b"SLURM_JOB_ID") == job_id.encode() and b"SLURM_PROCID" in env:
+                found[int(env[b"SLURM_PROCID"])] = int(proc.name)
+        except (FileNotFoundError, ProcessLookupError, PermissionError, ValueError):
+            continue
+    return found
+
+
+def kill_task(job_id: str, rank: int, *remove: Path) -> None:
+    """SIGKILL the training process of the job's task ``rank`` (a process lost without warning);
+    once srun has ended the other tasks, delete ``remove`` (node-local storage lost with it),
+    before the run starts again."""
+    running = training_processes(job_id)
+    assert rank in running, f"no training process of task {rank} of job {job_id}"
+    os.kill(running[rank], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while any(Path(f"/proc/{pid}").exists() for pid in running.values()):
+        assert time.monotonic() < deadline, "srun left a task of the killed run running"
+        time.sleep(0.05)
+    for path in remove:
+        shutil.rmtree(path)
+
+
+def wait_for_local_step(cluster: LocalSlurm, job_id: str, local: Path, step: int) -> None:
+    """Until both processes' node-local saves of ``step`` are complete (renamed into place)."""
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not all((local / f"process-{p}" / str(step)).is_dir() for p in (0, 1)):
+        assert time.monotonic() < deadline, f"no node-local step {step} in {local}"
+        assert cluster.job(job_id).get("JobState") in ("PENDING", "RUNNING"), "the job ended"
+        time.sleep(0.05)
+
+
+def test_killed_process_requeues_and_resumes_from_the_newest_tier(cluster, submit_env, recipe_run, tmp_path):
+    """smoke.sbatch with both checkpoint tiers (node-local every 2 steps, persistent every 5) and
+    the recipe run's stage axis, so each task holds its own half of the state and keeps a copy of
+    the other's. Task 1's process is killed with SIGKILL three times; each time the recipe's run
+    block starts the run again in the job's allocation, and it resumes:
+    1. after local step 6 (persistent 5): from the local step 6;
+    2. after local step 8, with task 1's local directory deleted (a replaced node): from step 8,
+       task 1's blocks sent from task 0's copy;
+    3. after local step 12, with every local directory deleted: from the persistent step 10.
+    The losses of steps 1-10 are the uninterrupted run's (the scaled-down recipe's, same
+    schedule) and every step logged again after a resume repeats its loss bit for bit."""
+    output = tmp_path / "outputs"
+    run_dir, local = output / "twotier", tmp_path / "local"
+    run_local = local / "twotier"
+    args = (
+        "run_name=twotier",
+        "steps=16",
+        f"learning_rate_schedule_steps={SMOKE_STEPS}",
+        "checkpoint_period=5",
+        "enable_emergency_checkpoint=true",
+        f"local_checkpoint_directory={local}",
+        "local_checkpoint_period=2",
+        *STAGE_ACROSS_TASKS,
+    )
+    job_id = submit(cluster, submit_env, SLURM / "smoke.sbatch", output, "--ntasks=2", args=args)
+
+    wait_for_local_step(cluster, job_id, run_local, 6)
+    kill_task(job_id, 1)
+    wait_for_local_step(cluster, job_id, run_local, 8)
+    kill_task(job_id, 1, run_local / "process-1")
+    wait_for_local_step(cluster, job_id, run_local, 12)
+    kill_task(job_id, 1, run_local)
+
+    log = finish(cluster, job_id, output)
+    resumed = re.findall(r"^resuming from (.*) \(step (\d+)\)$", log, re.M)
+    assert resumed == [
+        (f"the node-local checkpoint {run_local / 'process-0' / '6'}", "6"),
+        (f"the node-local checkpoint {run_local / 'process-0' / '8'}", "8"),
+        (str(run_dir / "checkpoints" / "10"), "10"),
+    ], log[-4000:]
+    assert "node-local step 8: process 1's blocks from process 0's storage" in log, log[-4000:]
+    assert [int(n) for n in re.findall(r"restarting the run \(restart (\d) of 3\)", log)] == [1, 2, 3], log[-4000:]
+    first, repeated = {}, 0
+    for record in metrics(run_dir):
+        if record["step"] in first:
+            assert record["loss"] == first[record["step"]], f"step {record['step']} changed after a resume"
+            repeated += 1
+        first.setdefault(record["step"], record["loss"])
+    assert repeated >= 2 and sorted(first) == list(range(1, 17))
+    reference = losses(recipe_run[0])
+    assert {step: first[step] for step in reference} == reference

@@ -9,13 +9,18 @@ a save of the current state is started and the next step runs, timed from the sa
 step's result (what the loop waits for), once with ``async_checkpointing=true`` and once with
 ``false``; each write is then waited for, untimed. Printed: the fastest of each, and the ratios
 ``step during an async save / step alone`` (the loop's cost of checkpointing) and the same for a
-synchronous save. Checkpoints go to a temporary directory.
+synchronous save. Then the node-local tier (``enable_emergency_checkpoint``) at a
+``local_checkpoint_period`` of 2: pairs of steps, alternately alone and with a local save after
+the first (as the loop saves it: the host copy on the step's path, the write in the background,
+the next save waiting for the last), each pair timed to its second step's result; printed: the
+median pair with a save over the median pair alone. Checkpoints go to a temporary directory.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -27,6 +32,7 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 
 from MaxText.checkpointing import Checkpoints  # noqa: E402
+from MaxText.checkpointing.local import LocalCheckpoints  # noqa: E402
 from MaxText.config import load_config_or_exit  # noqa: E402
 from MaxText.data.source import make_data_source  # noqa: E402
 from MaxText.models.deepseek import DeepSeekV3  # noqa: E402
@@ -88,6 +94,26 @@ def main(argv: list[str]) -> int:
         for saver in savers.values():
             saver.close()
 
+        local_config = config.model_copy(update={"local_checkpoint_directory": str(Path(tmp) / "local")})
+        local = LocalCheckpoints(local_config, state)
+        pairs: dict[str, list[float]] = {"pair alone": [], "pair with a local save": []}
+
+        def pair(number: int, save: bool) -> float:
+            nonlocal state
+            start = time.perf_counter()
+            for offset in (0, 1):
+                batch = put_global_batch(next(data), batches)
+                state, metrics = step_fn(state, batch)
+                if save and offset == 0:
+                    local.save(number, state, data.get_state())
+            jax.block_until_ready(metrics)
+            return time.perf_counter() - start
+
+        for number in range(1, 2 * args.rounds + 1):
+            pairs["pair alone"].append(pair(number, False))
+            pairs["pair with a local save"].append(pair(number, True))
+        local.close()
+
     fastest = {name: min(values) for name, values in times.items()}
     size = sum(leaf.nbytes for leaf in jax.tree.leaves(state)) / 1e6
     print(f"{config.model_name}: train state {size:.1f} MB, fastest of {args.rounds} rounds")
@@ -96,6 +122,13 @@ def main(argv: list[str]) -> int:
     alone = fastest["step alone"]
     print(f"step during an async save / step alone: {fastest['step during async save'] / alone:.2f}x")
     print(f"step during a sync save / step alone:   {fastest['step during sync save'] / alone:.2f}x")
+    median = {name: statistics.median(values) for name, values in pairs.items()}
+    print(f"node-local saves every 2 steps, median of {2 * args.rounds} pairs of steps:")
+    for name, seconds in median.items():
+        print(f"  {name:24s} {seconds * 1e3:8.1f} ms")
+    print(
+        f"steps with a local save every 2 / steps alone: {median['pair with a local save'] / median['pair alone']:.3f}x"
+    )
     return 0
 
 

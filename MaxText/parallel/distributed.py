@@ -35,3 +35,18 @@ def initialize_distributed(config: Config) -> None:
         )
     else:
         jax.distributed.initialize()
+
+
+COMPILE_SKEW_TIMEOUT_S = 1800  # the longest compile one process may take beyond another's
+
+
+def wait_for_every_process(name: str, timeout_s: float = COMPILE_SKEW_TIMEOUT_S) -> None:
+    """Block until every process reaches the barrier ``name`` (the coordination service's, not a
+    device collective). After a restart processes arrive at the first collective minutes apart
+    (one reads its program from the compilation cache, another compiles it), longer than gloo
+    waits for its peers to form a collective (30 s) on CPU."""
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed  # the runtime's client: the public API has no barrier
+
+    distributed.global_state.client.wait_at_barrier(name, int(timeout_s * 1000))

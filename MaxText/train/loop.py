@@ -28,6 +28,8 @@ import jax
 from tqdm import tqdm
 
 from MaxText.checkpointing import Checkpoints, load_moe_bias, load_parameters
+from MaxText.checkpointing.local import LocalCheckpoints
+from MaxText.checkpointing.tiers import restore_newest
 from MaxText.config import Config, config_to_yaml
 from MaxText.data.source import make_data_source, make_eval_source
 from MaxText.data.types import DataSource
@@ -35,6 +37,7 @@ from MaxText.layers.attention_ops import check_attention
 from MaxText.models.accounting import train_flops_per_token
 from MaxText.models.deepseek import DeepSeekV3
 from MaxText.moe.experts import check_backend, moe_context
+from MaxText.parallel.distributed import wait_for_every_process
 from MaxText.parallel.mesh import make_mesh
 from MaxText.parallel.sharding import axis_rules, batch_sharding, put_global_batch
 from MaxText.quantization.quantize import check_quantization, gpu_compute_capability
@@ -84,18 +87,27 @@ def log(message: str) -> None:
 
 
 def initial_state(
-    model, config: Config, optimizer, mesh, abstract, checkpoints: Checkpoints | None, data, goodput: Goodput
+    model,
+    config: Config,
+    optimizer,
+    mesh,
+    abstract,
+    checkpoints: Checkpoints | None,
+    local: LocalCheckpoints | None,
+    data,
+    goodput: Goodput,
 ) -> tuple[TrainState, int]:
-    """(state, steps already done): restored from the newest good checkpoint, which also rewinds
-    the data iterator, or new (warm-started from ``load_parameters_path``: its parameters, and its
-    MoE correction biases when it has them)."""
+    """(state, steps already done): restored from the newest good checkpoint of either tier, which
+    also rewinds the data iterator, or new (warm-started from ``load_parameters_path``: its
+    parameters, and its MoE correction biases when it has them)."""
     if checkpoints is not None:
         with goodput.timing("restore"):
-            restored = checkpoints.restore_latest(abstract)
+            restored = restore_newest(checkpoints, local, abstract)
         if restored is not None:
             if restored.data_state:
                 data.set_state(restored.data_state)
-            log(f"resuming from {restored.path} (step {restored.step})")
+            tier = "the node-local checkpoint" if local is not None and restored.path.is_relative_to(local.root) else ""
+            log(f"resuming from {tier + ' ' if tier else ''}{restored.path} (step {restored.step})")
             return restored.state, restored.step
     with goodput.timing("startup"):
         state, _ = create_train_state(model, config, optimizer, mesh)
@@ -112,7 +124,7 @@ def finish(
     progress,
     profiler: StepProfiler,
     writer: MetricsWriter | None,
-    checkpoints,
+    tiers,
     sources,
     is_writer: bool,
 ) -> list[Path]:
@@ -123,8 +135,9 @@ def finish(
     with goodput.timing("profile"):
         profiler.close()
     with goodput.timing("checkpoint"):
-        if checkpoints is not None:
-            checkpoints.close()  # waits for the last write
+        for tier in tiers:
+            if tier is not None:
+                tier.close()  # waits for the last write
     with goodput.timing("outputs"):
         for source in sources:
             if hasattr(source, "close"):
@@ -180,12 +193,14 @@ def train(config: Config) -> RunResult:
         step_fn = jit_train_step(model, config, optimizer, state_shardings, batch_shards)
         compiled_step = step_fn.lower(abstract, abstract_batch(config, mesh)).compile()
         memory = check_step_fits(compiled_step, jax.local_devices())
+        wait_for_every_process("step compiled")
     log(f"step compiled in {goodput.totals['compile']:.1f} s; {memory['total'] / 1e9:.2f} GB per device (XLA)")
 
     # ---- state: restored when the run has a checkpoint, else created ----
     with goodput.timing("startup"):
         checkpoints = Checkpoints(output_dir / "checkpoints", config) if config.enable_checkpointing else None
-    state, done_steps = initial_state(model, config, optimizer, mesh, abstract, checkpoints, data, goodput)
+        local = LocalCheckpoints(config, abstract) if config.enable_emergency_checkpoint else None
+    state, done_steps = initial_state(model, config, optimizer, mesh, abstract, checkpoints, local, data, goodput)
 
     # ---- evaluation and accounting ----
     with goodput.timing("startup"):
@@ -285,6 +300,9 @@ def train(config: Config) -> RunResult:
                 if saved:
                     with goodput.timing("checkpoint"):
                         checkpoints.save(step, state, data.get_state(), config)
+                if local is not None and step % config.local_checkpoint_period == 0 and guards.may_save(step):
+                    with goodput.timing("checkpoint"):
+                        local.save(step, state, data.get_state())
                 if stop:
                     progress.close()
                     if saved:
@@ -298,7 +316,7 @@ def train(config: Config) -> RunResult:
                     log(f"stopped by {preemption.signal_name()} after step {step}; {said}")
                     break
     except TrainingHalted:
-        finish(goodput, progress, profiler, writer, checkpoints, (data, eval_data), is_writer)
+        finish(goodput, progress, profiler, writer, (checkpoints, local), (data, eval_data), is_writer)
         raise
     except BaseException:  # keep what was written; a failing checkpoint or plot must not hide the error
         progress.close()
@@ -307,7 +325,7 @@ def train(config: Config) -> RunResult:
             if writer:
                 writer.close()
         raise
-    outputs = finish(goodput, progress, profiler, writer, checkpoints, (data, eval_data), is_writer)
+    outputs = finish(goodput, progress, profiler, writer, (checkpoints, local), (data, eval_data), is_writer)
     if is_writer:  # the last line names every output, the newest checkpoint (what the export tool takes) among them
         if record:
             print(f"final loss {record['loss']:.4f} at step {record['step']}")

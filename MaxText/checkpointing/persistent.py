@@ -12,9 +12,8 @@ Restores go straight into the target shardings of the current mesh (Orbax reads 
 slice), so a checkpoint saved on one mesh restores onto another. The run's parameters are
 checked against the checkpoint's shapes first; a mismatch names the first differing parameter.
 
-Extension point: emergency (local, in-memory or node-local disk) checkpoints would be another
-implementation of ``save``/``restore_latest`` chosen by a config key; only the persistent one
-exists today.
+This is the persistent tier; the node-local one is ``local.py``, and ``tiers.py`` chooses
+between them at a restore.
 """
 
 import sys
@@ -150,7 +149,7 @@ class Checkpoints:
         while True:
             if held is None or (bound is not None and held.step > bound):
                 held = self._newest_readable(abstract_state, bound)
-            proposals = _all_processes(held.step if held is not None else -1)
+            proposals = all_processes(held.step if held is not None else -1)
             if proposals.min() == proposals.max():
                 return held
             bound = int(proposals.min())
@@ -183,7 +182,7 @@ class Checkpoints:
         return None
 
 
-def _all_processes(value: int) -> np.ndarray:
+def all_processes(value: int) -> np.ndarray:
     """``value`` from every process, in process order (a collective: every process must call it)."""
     if jax.process_count() == 1:
         return np.array([value])
