@@ -31,20 +31,23 @@ def make_config(*overrides: str, model: str = "deepseek3-tiny") -> Config:
 # Kubernetes pods run a program of their own: after the Slurm module they took 57.6 s, alone 58.7 s.)
 SLOW_FILES_FIRST = (
     "test_slurm_cluster.py",
+    "test_aot_gpu.py",
     "test_train.py",
     "test_pipeline.py",
-    "test_aot_gpu.py",
     "test_expert_parallel.py",
-    "test_train_parts.py",
-    "test_data_train.py",
     "test_health.py",
-    "test_resume.py",
-    "test_aot_compile.py",
-    "test_checkpointing.py",
-    "test_hf_interop.py",
-    "test_gradients.py",
-    "test_routing_balance.py",
+    "test_train_parts.py",
     "test_k8s_jobset.py",
+    "test_routing_balance.py",
+    "test_resume.py",
+    "test_docs_commands.py",
+    "test_quantization.py",
+    "test_hf_interop.py",
+    "test_data_train.py",
+    "test_checkpointing.py",
+    "test_aot_compile.py",
+    "test_tokamax_matmul.py",
+    "test_gradients.py",
 )
 
 

@@ -7,19 +7,22 @@ runs the exchange's own code against an emulation of the collective built from `
 (``emulated_ragged_all_to_all``, written from the collective's documented semantics).
 
 ``all_to_all`` runs with the default buffers (one round holds any routing here) and with buffers
-a quarter of the balanced share, as ``ragged_all_to_all`` does (a pair's slot holds 2 of the 8
-rows all-to-one routing sends it), so that only the overflow rounds make them dropless; and on
-expert 2 x tensor 2 x fsdp 2, where the tokens are split over tensor inside the exchange.
-``ragged_all_to_all`` also runs with each device's tokens in two chunks (``moe_exchange_chunks``),
-each chunk exchanged, computed and given its overflow rounds on its own.
+a quarter of the balanced share (a pair's slot holds 2 of the 8 rows all-to-one routing sends it:
+4 rounds); ``ragged_all_to_all`` with half of it (4 of the 8: 2 rounds), so that only the overflow
+rounds make them dropless; and ``all_to_all`` on expert 2 x tensor 2 x fsdp 2, where the tokens are
+split over tensor inside the exchange. ``ragged_all_to_all`` also runs with each device's tokens in
+two chunks (``moe_exchange_chunks``), each chunk exchanged, computed and given its overflow rounds
+on its own.
 
 The overflow rounds run unrolled here (``dispatch.UNROLL_ROUNDS``): the same rounds, conditions
 and rematerialisation, each round its own collectives. In a loop, XLA:CPU's in-process collectives
 race when the simulated devices fall out of step (two busy cores): a device enters the next
 iteration's rendezvous before another has left the last one, and the process aborts ("Unexpected
 number of participants"; one run in four of these cases alone on an idle machine, most runs under
-load, and a crashed test worker in CI).
-"""
+load, and a crashed test worker in CI). Unrolled, each round's conditionals cost XLA:CPU compile
+time in proportion to the whole program (its thunk emitter walks every computation once per
+conditional): the blocked backend's ``ragged_all_to_all`` in two chunks compiled in 100 s with 4
+rounds, in 25 s with 2, so 4 rounds run in the cheapest case only (``ragged_dot``, ``all_to_all``)."""
 
 import functools
 from functools import partial
@@ -101,36 +104,45 @@ def compiled(backend: str, exchange: str, *overrides: str):
     mesh = make_mesh(config, jax.devices())
     params, reference = one_device(backend)
     jitted = jax.jit(fn)
+    traced = []
 
     def expert_parallel(*args):
         with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)):
-            jaxpr = str(jax.make_jaxpr(fn)(*args))
-            assert "shard_map" in jaxpr  # the expert-parallel path is taken
-            # The group agrees on its fullest pair (a pmax) only where C < T makes overflow rounds possible.
-            assert ("pmax" in jaxpr) == (config.moe_ep_buffer_factor < 1)
+            if not traced:  # one program for every routing: its trace checked once, and reused by the call
+                traced.append(jaxpr := str(jitted.trace(*args).jaxpr))
+                assert "shard_map" in jaxpr  # the expert-parallel path is taken
+                # The group agrees on its fullest pair (a pmax) only where C < T makes overflow rounds possible.
+                assert ("pmax" in jaxpr) == (config.moe_ep_buffer_factor < 1)
             return jitted(*args)
 
     return config, params, reference, expert_parallel
 
 
 # A pair's slot holds C = ceil(factor * T * min(K, ep) / ep) rows: T = 64 tokens / 8 devices,
-# K = 4, ep = 4 gives a balanced share of 8 rows, so factor 0.25 makes C = 2 and 4 rounds.
-SMALL_BUFFERS = (*MESH, "moe_ep_buffer_factor=0.25")
+# K = 4, ep = 4 gives a balanced share of 8 rows, so factor 0.5 makes C = 4 and 2 rounds, and
+# factor 0.25 C = 2 and 4 rounds.
+SMALL_BUFFERS = (*MESH, "moe_ep_buffer_factor=0.5")
+SMALLER_BUFFERS = (*MESH, "moe_ep_buffer_factor=0.25")
 TENSOR_MESH = ("ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "ici_tensor_parallelism=2")
 CASES = [
     ("blocked", "allgather"),
     ("ragged_dot", "allgather"),
     ("blocked", "all_to_all"),  # the default factor: C = T, any routing in one round
-    ("ragged_dot", "all_to_all", *SMALL_BUFFERS),
+    ("ragged_dot", "all_to_all", *SMALLER_BUFFERS),
     ("blocked", "ragged_all_to_all", *SMALL_BUFFERS),
     ("tokamax", "ragged_all_to_all", *SMALL_BUFFERS),  # tokamax's XLA reference kernels here
     ("blocked", "all_to_all", *TENSOR_MESH, "moe_ep_buffer_factor=0.5"),  # C = 4 of 8: overflows too
-    # Two chunks of 4 tokens per device, each exchanged on its own: C = 1, 4 rounds per chunk.
-    ("blocked", "ragged_all_to_all", *SMALL_BUFFERS, "moe_exchange_chunks=2"),
+    # Two chunks of 4 tokens per device, each exchanged on its own: C = 2, 2 rounds per chunk.
+    ("ragged_dot", "ragged_all_to_all", *SMALL_BUFFERS, "moe_exchange_chunks=2"),
 ]
+SUFFIXES = (
+    (TENSOR_MESH[-1], "-tensor"),
+    (SMALL_BUFFERS[-1], "-small_buffers"),
+    (SMALLER_BUFFERS[-1], "-smaller_buffers"),
+)
 IDS = [
     "-".join(c[:2])
-    + ("-small_buffers" if SMALL_BUFFERS[-1] in c else "-tensor" if TENSOR_MESH[-1] in c else "")
+    + next((suffix for key, suffix in SUFFIXES if key in c), "")  # the first that matches
     + ("-chunks" if "moe_exchange_chunks=2" in c else "")
     for c in CASES
 ]
@@ -167,11 +179,14 @@ def test_gpu_only_exchanges_are_refused_on_cpu_with_a_reason(exchange):
 
 
 def test_small_buffers_overflow_by_hand():
-    """The premise of the small-buffer cases: 8 tokens per device, top-4 over 4 devices, factor 1/4
-    gives pairs of C = 2 rows and 4 rounds, while all-to-one routing sends 8 rows over one pair
-    (so only the overflow rounds can make the exchange dropless); on expert 2 x tensor 2 x fsdp 2
+    """The premise of the small-buffer cases: 8 tokens per device, top-4 over 4 devices, factor 1/2
+    gives pairs of C = 4 rows and 2 rounds, factor 1/4 C = 2 and 4 rounds, while all-to-one routing
+    sends 8 rows over one pair (so only the overflow rounds can make the exchange dropless); in two
+    chunks of 4 tokens, factor 1/2 gives C = 2, 2 rounds per chunk; on expert 2 x tensor 2 x fsdp 2
     a device holds 64 / 8 tokens, top-4 over 2 devices, factor 1/2: C = 4, 2 rounds."""
+    assert exchange_plan(tokens=8, top_k=4, ep=4, factor=0.5) == (4, 2)
     assert exchange_plan(tokens=8, top_k=4, ep=4, factor=0.25) == (2, 4)
+    assert exchange_plan(tokens=4, top_k=4, ep=4, factor=0.5) == (2, 2)
     assert exchange_plan(tokens=8, top_k=4, ep=2, factor=0.5) == (4, 2)
     assert exchange_plan(tokens=8, top_k=4, ep=4, factor=2.0) == (8, 1)  # the default: one round
 
@@ -250,9 +265,10 @@ def test_layout_passes_hold_every_active_copy_once():
     rng = np.random.default_rng(0)
     experts_TK = jnp.asarray(np.argsort(rng.random((T, E)), axis=1)[:, :K], jnp.int32)
     active_TK = jnp.asarray(rng.random((T, K)) < 0.7)
+    layout_of = jax.jit(block_layout, static_argnums=(1, 2, 4))  # one compile for every pass (eager took seconds)
     held = []
     for q in range(-(-T * K // capacity)):
-        layout = block_layout(experts_TK, E, m, active_TK, capacity, q * capacity)
+        layout = layout_of(experts_TK, E, m, active_TK, capacity, q * capacity)
         assert layout.valid_P.shape == (num_padded_rows(capacity, E, m),)
         copies = np.asarray(layout.copy_P)[np.asarray(layout.valid_P)]
         rows = np.flatnonzero(np.asarray(layout.valid_P))
@@ -279,6 +295,23 @@ FP8_CASES = [("allgather", *MESH), ("all_to_all", *SMALL_BUFFERS), ("ragged_all_
 # depend on the recipe (the quantizers are tested in test_quantization.py), and MX on each of the
 # slot exchanges took 150 s (its unrolled rounds compile slowly).
 FP8_RUNS = [("fp8_blockwise", case) for case in FP8_CASES] + [("mxfp8", FP8_CASES[0])]
+# One block size: the unquantized cases take the blocked backend's levels through every exchange,
+# and each level's loops are more computations for every conditional of the rounds to walk (the
+# slot exchanges compiled in twice the time with three levels).
+FP8_BLOCKS = "moe_min_block_rows=8"
+
+
+@functools.cache
+def fp8_one_device(recipe: str):
+    """(params, bias, x, one device's outputs and gradients with ``recipe``, the unquantized
+    outputs): the same for every exchange, computed once per recipe."""
+    one = backend_config("blocked", f"quantization={recipe}", FP8_BLOCKS)
+    params = random_params(one)
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((B, S, one.emb_dim)), jnp.float32)
+    bias = jnp.asarray(routing_bias("zipf", one.num_experts), jnp.float32)
+    (_, (y_one, _)), grads_one = jax.jit(partial(block_and_grads, one))(params, bias, x)
+    (_, (y_plain, _)), _ = one_device("blocked")[1](params, bias, x)
+    return params, bias, x, y_one, grads_one, y_plain
 
 
 @pytest.mark.slow
@@ -290,17 +323,12 @@ def test_fp8_dispatch_sends_bytes_and_changes_no_number(recipe, case, monkeypatc
     monkeypatch.setattr(dispatch, "UNROLL_ROUNDS", True)
     if exchange == "ragged_all_to_all":
         monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
-    one = backend_config("blocked", f"quantization={recipe}")
-    config = backend_config("blocked", f"quantization={recipe}", f"moe_ep_comm={exchange}", *mesh)
-    params = random_params(one)
-    x = jnp.asarray(np.random.default_rng(7).standard_normal((B, S, config.emb_dim)), jnp.float32)
-    bias = jnp.asarray(routing_bias("zipf", config.num_experts), jnp.float32)
-    (_, (y_one, _)), grads_one = jax.jit(partial(block_and_grads, one))(params, bias, x)
-    mesh_ = make_mesh(config, jax.devices())
-    with jax.set_mesh(mesh_), nn.logical_axis_rules(axis_rules(config)):
-        fn = partial(block_and_grads, config)
-        dtypes = _collective_dtypes(jax.make_jaxpr(fn)(params, bias, x).jaxpr)
-        (_, (y_ep, _)), grads_ep = jax.jit(fn)(params, bias, x)
+    params, bias, x, y_one, grads_one, y_plain = fp8_one_device(recipe)
+    config = backend_config("blocked", f"quantization={recipe}", FP8_BLOCKS, f"moe_ep_comm={exchange}", *mesh)
+    with jax.set_mesh(make_mesh(config, jax.devices())), nn.logical_axis_rules(axis_rules(config)):
+        traced = jax.jit(partial(block_and_grads, config)).trace(params, bias, x)  # one trace: checked and run
+        dtypes = _collective_dtypes(traced.jaxpr.jaxpr)
+        (_, (y_ep, _)), grads_ep = traced.lower().compile()(params, bias, x)
     assert "uint8" in dtypes  # the FP8 values travel as their bytes
     np.testing.assert_allclose(np.asarray(y_ep), np.asarray(y_one), rtol=1e-5, atol=1e-5)
     (params_ep, x_ep), (params_one, x_one) = grads_ep, grads_one
@@ -315,7 +343,5 @@ def test_fp8_dispatch_sends_bytes_and_changes_no_number(recipe, case, monkeypatc
         else:
             np.testing.assert_allclose(np.asarray(a), b, rtol=1e-4, atol=1e-5)
     # ... and the FP8 path differs from the unquantized one by FP8's rounding, no more.
-    plain = backend_config("blocked")
-    (_, (y_plain, _)), _ = jax.jit(partial(block_and_grads, plain))(params, bias, x)
     error = float(jnp.linalg.norm(y_one - y_plain) / jnp.linalg.norm(y_plain))
     assert 1e-4 < error < 2 * 2.0**-4

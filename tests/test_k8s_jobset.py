@@ -36,6 +36,7 @@ from cluster.scaled_down import STEPS, TINY_ON_TWO_CPUS
 from MaxText.config import load_config
 from MaxText.parallel.mesh import mesh_shape
 from MaxText.train.metrics import read_metrics, step_records
+from tests.conftest import TEST_XLA_FLAGS
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = sorted((REPO / "recipes" / "k8s").glob("*.yaml"))
@@ -170,14 +171,16 @@ def pods_run(tmp_path_factory, jax_cache) -> tuple[Path, list[str]]:
     }
     # The MAXTEXT_ARGS env entry, as a user would set it in the manifest.
     maxtext_args = " ".join((*TINY_ON_TWO_CPUS, f"base_output_directory={output}"))
+
+    def pod_env(rack: int, pod: int) -> dict[str, str]:
+        env = render_pod_env(container, RACKS, PODS_PER_RACK, rack, pod, coordinator)
+        # The manifest's XLA flags (inert on CPU) and the suite's after them: a speed-up only.
+        return {**base, **env, "XLA_FLAGS": " ".join((env["XLA_FLAGS"], *TEST_XLA_FLAGS)), "MAXTEXT_ARGS": maxtext_args}
+
     processes = [
         subprocess.Popen(
             [*container["command"], *container["args"]],
-            env={
-                **base,
-                **render_pod_env(container, RACKS, PODS_PER_RACK, rack, pod, coordinator),
-                "MAXTEXT_ARGS": maxtext_args,
-            },
+            env=pod_env(rack, pod),
             cwd=REPO,  # the image's workingDir holds the repository
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,

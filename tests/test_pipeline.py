@@ -5,6 +5,7 @@ micro-batches, with FSDP inside the stages; bubbles filled with NaN leave no NaN
 whole DeepSeek model with its MoE stack pipelined (``ici_pipeline_parallelism``): the loss, the
 MoE statistics and every gradient equal the unpipelined model's."""
 
+import functools
 import itertools
 from functools import partial
 
@@ -64,6 +65,17 @@ def assert_close(got, want, tolerance=1e-5):
     np.testing.assert_allclose(got, want, rtol=0, atol=tolerance * max(np.abs(want).max(), 1.0))
 
 
+def with_grads(run):
+    """``run(stack, x_MB, *rest) -> (outputs, stats)`` jitted with ``objective`` and its gradients
+    for the stack and the input: one program for the outputs, the statistics and the gradients."""
+
+    def loss(stack, x_MB, *rest):
+        out, stats = run(stack, x_MB, *rest)
+        return objective(out, stats), (out, stats)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+
 # p in {2, 4}, r in {1, 2}, m in {p, 2p}, one layer per stage; two layers per stage once; and m
 # not a multiple of p (the buffer between repeats reuses its slots in another order).
 CASES = [(p, r, m, 1) for p, r in itertools.product((2, 4), (1, 2)) for m in (p, 2 * p)]
@@ -80,30 +92,25 @@ def test_pipelined_layers_equal_the_layers_in_order(stages, repeats, microbatche
     x_MB = jax.random.normal(kx, (microbatches, B, S, D))
     scale_MB = 1 + jnp.arange(microbatches * B * S, dtype=jnp.float32).reshape(microbatches, B, S) / 100
 
-    want_out, want_stats = reference(layer, stack, x_MB, scale_MB)
+    def in_order(stack, x_MB):
+        return reference(layer, stack, x_MB, scale_MB)
 
-    def want_loss(stack, x_MB):
-        return objective(*reference(layer, stack, x_MB, scale_MB))
-
-    want_grads = jax.grad(want_loss, argnums=(0, 1))(stack, x_MB)
-
-    def pipelined(stack, x_MB, fill=0.0):
+    def pipelined(stack, x_MB, fill):
         out, stats = circular_pipeline(layer, to_stages(stack, stages, repeats), x_MB, scale_MB, fill=fill)
         return out, from_stages(stats)
 
+    (_, (want_out, want_stats)), want_grads = with_grads(in_order)(stack, x_MB)
     weights = NamedSharding(mesh, P(None, "fsdp"))  # FSDP inside the stages
     batch = NamedSharding(mesh, P(None, "fsdp"))
     with jax.set_mesh(mesh):
         stack_sharded = jax.device_put(stack, weights)
         x_sharded = jax.device_put(x_MB, batch)
-        for fill in (0.0, np.nan):
-            out, stats = jax.jit(lambda s, x, fill=fill: pipelined(s, x, fill))(stack_sharded, x_sharded)
+        run = with_grads(pipelined)
+        for fill in (0.0, np.nan):  # one program: the fill is an input
+            (_, (out, stats)), grads = run(stack_sharded, x_sharded, jnp.float32(fill))
             assert_close(out, want_out)
             for name in want_stats:
                 assert_close(stats[name], want_stats[name])
-            grads = jax.jit(jax.grad(lambda s, x, fill=fill: objective(*pipelined(s, x, fill)), argnums=(0, 1)))(
-                stack_sharded, x_sharded
-            )
             for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
                 assert_close(got, want)
 
@@ -140,12 +147,13 @@ def test_deepseek_moe_layers_through_the_pipeline_equal_them_in_order():
         "model_name=deepseek3-tiny", "ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "moe_ep_comm=all_to_all"
     ).with_platform("cpu")
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 1, 2, 2, 1), ("stage", "data", "fsdp", "expert", "tensor"))
-    layers, microbatches, rows, seq = 4, 2, 4, 16
+    layers, microbatches, rows, seq = 2, 2, 4, 16  # a layer per stage: the loop compiles each layer per micro-batch
     decoder = DecoderLayer(config, True)
     x_MB = jax.random.normal(jax.random.key(0), (microbatches, rows, seq, config.emb_dim))
     positions = jnp.broadcast_to(jnp.arange(seq), (microbatches, rows, seq))
     segments = jnp.ones((microbatches, rows, seq), jnp.int32).at[1, :, -3:].set(0)  # padding in one micro-batch
-    variables = [decoder.init(jax.random.key(i + 1), x_MB[0], positions[0], segments[0]) for i in range(layers)]
+    init = jax.jit(decoder.init)  # one compile for every layer (eager, each layer's init took seconds)
+    variables = [init(jax.random.key(i + 1), x_MB[0], positions[0], segments[0]) for i in range(layers)]
     stack = jax.tree.map(
         lambda *a: jnp.stack(a), *[nn.unbox({k: v[k] for k in ("params", "moe_bias")}) for v in variables]
     )
@@ -215,19 +223,16 @@ MODEL_CASES = [
 MODEL = ("dtype=float32", "base_num_decoder_layers=9", "per_device_batch_size=2", "ici_expert_parallelism=2")
 
 
-def model_loss_and_grads(*overrides: str):
-    """deepseek3-tiny (1 dense + 8 MoE layers, MTP) on one batch of 16 sequences with padding and
-    a random correction bias: the loss parts, the gradient of every parameter, and whether the
-    program moves activations between stages, on the mesh of ``overrides``."""
+@functools.cache
+def model_inputs():
+    """deepseek3-tiny's variables, a random correction bias and one batch of 16 sequences with
+    padding: the same for every mesh, so initialised once (jitted: eager, the init took 35 s)."""
     import flax.linen as nn
 
     from MaxText.models.deepseek import DeepSeekV3
-    from MaxText.parallel.mesh import make_mesh
-    from MaxText.parallel.sharding import axis_rules
-    from MaxText.train.loss import compute_loss
     from tests.conftest import make_config
 
-    config = make_config(*MODEL, *overrides)
+    config = make_config(*MODEL)
     rows, seq = 16, config.max_target_length
     rng = np.random.default_rng(0)
     batch = {
@@ -239,19 +244,38 @@ def model_loss_and_grads(*overrides: str):
     batch["inputs_segmentation"][3, -5:] = 0  # padding: out of the loads and the balance loss
     batch["targets_segmentation"] = batch["inputs_segmentation"]
     batch = {k: jnp.asarray(v) for k, v in batch.items()}
-    model = DeepSeekV3(config)
     variables = nn.unbox(
-        model.init(jax.random.key(0), batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+        jax.jit(DeepSeekV3(config).init)(
+            jax.random.key(0), batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"]
+        )
     )
     bias = jax.tree.map(lambda b: 0.01 * jax.random.normal(jax.random.key(3), b.shape), variables["moe_bias"])
+    return batch, variables["params"], bias
+
+
+def model_loss_and_grads(*overrides: str):
+    """deepseek3-tiny (1 dense + 8 MoE layers, MTP) on ``model_inputs``: the loss parts, the
+    gradient of every parameter, and whether the program moves activations between stages, on the
+    mesh of ``overrides``."""
+    import flax.linen as nn
+
+    from MaxText.models.deepseek import DeepSeekV3
+    from MaxText.parallel.mesh import make_mesh
+    from MaxText.parallel.sharding import axis_rules
+    from MaxText.train.loss import compute_loss
+    from tests.conftest import make_config
+
+    config = make_config(*MODEL, *overrides)
+    batch, params, bias = model_inputs()
+    model = DeepSeekV3(config)
 
     def loss(params):
         parts = compute_loss(model, config, params, bias, batch)
         return parts.loss, parts
 
     with jax.set_mesh(make_mesh(config)), nn.logical_axis_rules(axis_rules(config)):
-        lowered = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(variables["params"])
-        (_, parts), grads = lowered.compile()(variables["params"])
+        lowered = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(params)
+        (_, parts), grads = lowered.compile()(params)
     return parts, grads, "collective_permute" in lowered.as_text()  # the stage transfers: pipelined
 
 

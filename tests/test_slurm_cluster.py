@@ -41,7 +41,7 @@ from cluster.local_slurm import LocalSlurm, install_reason_to_skip
 from cluster.scaled_down import SMOKE_STEPS, TINY_ON_TWO_CPUS, image_xla_flags
 
 from MaxText.train.metrics import read_metrics, step_records
-from tests.conftest import cpu_env
+from tests.conftest import TEST_XLA_FLAGS, cpu_env
 
 pytestmark = pytest.mark.slow  # whole runs: `make test-fast` leaves this file out
 
@@ -67,9 +67,13 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def submit_env(jax_cache) -> dict[str, str]:
     """The submitting shell's environment (sbatch passes it on to the tasks): this interpreter as
-    PYTHON, the GPU image's XLA_FLAGS (so one CPU device per process: the test session's 8 simulated
-    devices are not passed on), the session's shared compilation cache."""
-    return cpu_env(1, jax_cache, XLA_FLAGS=image_xla_flags(), PYTHON=sys.executable)
+    PYTHON, the GPU image's XLA_FLAGS and the suite's (so one CPU device per process: the test
+    session's 8 simulated devices are not passed on), the suite's flags again as EXTRA_XLA_FLAGS
+    for the recipes that set XLA_FLAGS themselves (one cache key for every job), the session's
+    shared compilation cache."""
+    suite_flags = " ".join(TEST_XLA_FLAGS)
+    xla_flags = f"{image_xla_flags()} {suite_flags}"
+    return cpu_env(1, jax_cache, XLA_FLAGS=xla_flags, EXTRA_XLA_FLAGS=suite_flags, PYTHON=sys.executable)
 
 
 def submit(

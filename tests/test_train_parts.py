@@ -207,9 +207,9 @@ def test_accumulated_micro_batches_equal_one_big_batch():
     # new params = params - 1e4 x gradients: the gradients themselves are compared (the large rate
     # keeps the parameters' own rounding out of the difference).
     sgd = optax.sgd(1e4)
+    state, _ = create_train_state(model, one, sgd, mesh)  # accumulation changes the step, not the state
     results = []
     for config in (one, two):
-        state, _ = create_train_state(model, config, sgd, mesh)
         step = jax.jit(lambda s, b, c=config: train_step(model, c, sgd, s, b))
         new_state, metrics = step(state, batch)
         grads = jax.tree.map(jnp.subtract, state.params, new_state.params)
@@ -224,12 +224,14 @@ def test_accumulated_micro_batches_equal_one_big_batch():
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * float(np.abs(a).max()))
     # The old rule, the mean of the two micro-batches' own means, is measurably different here.
     halves = split_micro_batches(batch, 2)
-    means = [_lm_mean(one, params, bias, {k: v[i] for k, v in halves.items()}) for i in range(2)]
-    assert abs(np.mean(means) - _lm_mean(one, params, bias, batch)) > 1e-3
+    lm_mean = _lm_mean(one)
+    means = [float(lm_mean(params, bias, {k: v[i] for k, v in halves.items()})) for i in range(2)]
+    assert abs(np.mean(means) - float(lm_mean(params, bias, batch))) > 1e-3
 
 
-def _lm_mean(config, params, bias, batch):
-    """The main head's mean cross-entropy over ``batch`` (jitted: eager execution of the model is slow)."""
+def _lm_mean(config):
+    """The main head's mean cross-entropy over a batch, ``(params, bias, batch) -> mean`` (jitted:
+    eager execution of the model is slow; one function, compiled once per batch shape)."""
     from MaxText.models.deepseek import DeepSeekV3
     from MaxText.moe.block import BIAS, LOAD, LOSS
 
@@ -246,13 +248,13 @@ def _lm_mean(config, params, bias, batch):
         )
         return cross_entropy(logits, batch["targets"], (batch["targets_segmentation"] != 0).astype(jnp.float32))
 
-    return float(mean(params, bias, batch))
+    return mean
 
 
 @pytest.mark.slow
 def test_output_head_in_slices_equals_the_whole_head():
     """``vocab_chunks``: the loss (main and MTP heads) and every gradient equal the head
-    applied to the whole sequence, with padding; and the logits are never whole."""
+    applied to the whole sequence, with padding; and the logits are never whole, in either pass."""
     import flax.linen as nn
 
     from MaxText.models.deepseek import DeepSeekV3
@@ -268,14 +270,15 @@ def test_output_head_in_slices_equals_the_whole_head():
 
     def loss_and_grads(config):
         fn = jax.value_and_grad(lambda p: compute_loss(DeepSeekV3(config), config, p, bias, batch).loss)
-        return jax.jit(fn)(params)
+        return jax.jit(fn).lower(params)
 
-    (loss_1, grads_1), (loss_4, grads_4) = loss_and_grads(whole), loss_and_grads(sliced)
+    whole_program, sliced_program = loss_and_grads(whole), loss_and_grads(sliced)
+    (loss_1, grads_1), (loss_4, grads_4) = whole_program.compile()(params), sliced_program.compile()(params)
     np.testing.assert_allclose(loss_4, loss_1, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(grads_4), jax.tree.leaves(grads_1), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
     S, V = whole.max_target_length, whole.vocab_size
-    hlo = jax.jit(lambda p: compute_loss(DeepSeekV3(sliced), sliced, p, bias, batch).loss).lower(params).as_text()
+    hlo = sliced_program.as_text()  # the forward and the backward pass
     assert f"2x{S // 4}x{V}xf32" in hlo and f"2x{S}x{V}xf32" not in hlo  # [B, S, V] logits
 
 
