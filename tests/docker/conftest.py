@@ -1,6 +1,7 @@
 """Session fixtures of the image tests: the engine, the base image, the built images (and their
 build times and sizes, printed: ``make docker-test`` runs with ``-s``)."""
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -18,6 +19,10 @@ def engine(tmp_path_factory):
     if isinstance(started, str):
         pytest.skip(started)
     yield started
+    # What the engine holds now, and what its disk has left (vfs keeps a full copy per layer).
+    root = Path(started.run("info", "--format", "{{.DockerRootDir}}", check=False).stdout.strip())
+    free = f"{shutil.disk_usage(root).free / 1e9:.0f} GB free" if root.is_dir() else "free space unknown"
+    print(f"\n{started.run('system', 'df', check=False).stdout}{root}: {free}")
     left = started.stop()
     assert not left, f"processes outlived the Docker engine: {left}"
 

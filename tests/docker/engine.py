@@ -5,7 +5,7 @@ The engine started here runs on its own socket, data and exec folders, with the 
 driver and no bridge or iptables, so that it needs nothing of the host but root. It is stopped by pid
 afterwards, and a process left carrying its data folder is reported. Its data folder
 (``MAXTEXT_DOCKER_STATE``, default ``~/.cache/maxtext-docker``) outlives the tests, so a second run
-reuses the base images and the package layers.
+reuses the base images and the package layers; what no tag names any more is removed when it starts.
 """
 
 from __future__ import annotations
@@ -103,6 +103,10 @@ def start(log: Path) -> Engine | str:
         if process.poll() is not None:
             raise RuntimeError(f"dockerd exited ({process.returncode}):\n{log.read_text()[-3000:]}")
         if socket.exists() and engine.answers():
+            # Its data folder is ours alone: what earlier runs left (stopped containers, images no tag
+            # names any more, full copies of the file system under vfs) would only fill the disk.
+            engine.run("container", "prune", "--force", timeout=600)
+            engine.run("image", "prune", "--force", timeout=1800)
             return engine
         time.sleep(1)
     engine.stop()

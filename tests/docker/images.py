@@ -36,17 +36,18 @@ ENV PIP_BREAK_SYSTEM_PACKAGES=1 PIP_CERT=/etc/ssl/certs/host-ca-certificates.crt
 """
 
 
-def has_image(engine: Engine, tag: str) -> bool:
-    return engine.run("image", "inspect", tag, check=False).returncode == 0
+def image_id(engine: Engine, tag: str) -> str | None:
+    result = engine.run("image", "inspect", "--format", "{{.Id}}", tag, check=False)
+    return result.stdout.strip() if result.returncode == 0 else None
 
 
 def python_base(engine: Engine) -> str:
     """``python:3.11-slim`` if it can be had, else the local stand-in (made once)."""
-    if has_image(engine, PUBLIC_PYTHON) or engine.run("pull", PUBLIC_PYTHON, check=False, timeout=300).returncode == 0:
+    if image_id(engine, PUBLIC_PYTHON) or engine.run("pull", PUBLIC_PYTHON, check=False, timeout=300).returncode == 0:
         return PUBLIC_PYTHON
-    if has_image(engine, LOCAL_PYTHON):
+    if image_id(engine, LOCAL_PYTHON):
         return LOCAL_PYTHON
-    if not has_image(engine, LOCAL_DEBIAN):
+    if not image_id(engine, LOCAL_DEBIAN):
         if shutil.which("debootstrap") is None:
             if reason := reason_not_to_install("debootstrap"):
                 raise RuntimeError(reason)
@@ -70,13 +71,20 @@ def python_base(engine: Engine) -> str:
 
 def build(engine: Engine, dockerfile: str, tag: str, target: str | None = None, **build_args: str) -> dict:
     """Build ``docker/<dockerfile>`` from the repository root: {tag, seconds, size_gb}."""
-    args = ["build", "--network", "host", "-f", f"docker/{dockerfile}", "-t", tag]
+    args = ["build", "--force-rm", "--network", "host", "-f", f"docker/{dockerfile}", "-t", tag]
     if target:
         args += ["--target", target]
     for key, value in build_args.items():
         args += ["--build-arg", f"{key}={value}"]
+    before = image_id(engine, tag)
     t0 = time.perf_counter()
     engine.run(*args, ".", cwd=REPO, timeout=3600)
     seconds = time.perf_counter() - t0
+    if before and before != image_id(engine, tag):
+        # The image this tag named before (built from other sources) is left untagged, with the
+        # layers only it used. The engine's data folder outlives the runs and under vfs every layer is
+        # a full copy of the file system, so each run would leave gigabytes behind: remove it (its
+        # layers go with it; the engine keeps any another image still uses).
+        engine.run("image", "rm", before, check=False, timeout=600)
     size = int(engine.run("image", "inspect", "--format", "{{.Size}}", tag).stdout.strip())
     return {"tag": tag, "seconds": seconds, "size_gb": size / 1e9}
