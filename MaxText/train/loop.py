@@ -110,7 +110,7 @@ def initial_state(
             log(f"resuming from {tier + ' ' if tier else ''}{restored.path} (step {restored.step})")
             return restored.state, restored.step
     with goodput.timing("startup"):
-        state, _ = create_train_state(model, config, optimizer, mesh)
+        state, _ = create_train_state(model, config, optimizer, mesh, abstract)
         if config.load_parameters_path:
             state = state.replace(params=load_parameters(config.load_parameters_path, abstract.params))
             if (bias := load_moe_bias(config.load_parameters_path, abstract.moe_bias)) is not None:

@@ -45,18 +45,22 @@ def _init_variables(model: DeepSeekV3, config: Config, rng: jax.Array) -> dict[s
     return {"params": variables["params"], BIAS: variables.get(BIAS, {})}
 
 
-def _state_shardings(model: DeepSeekV3, config: Config, optimizer: optax.GradientTransformation, mesh: Mesh):
-    """A NamedSharding per train-state leaf, from shapes alone (call under the mesh and rules)."""
+def _shapes_and_shardings(model: DeepSeekV3, config: Config, optimizer: optax.GradientTransformation, mesh: Mesh):
+    """(shapes, a NamedSharding per leaf) of the train state, from one abstract trace of the
+    model's initialisation (call under the mesh and rules)."""
     boxed = jax.eval_shape(lambda r: _init_variables(model, config, r), jax.random.key(config.seed))
     var_shardings = logical_to_shardings(boxed, mesh, config)
+    params = _shapes(boxed["params"])
+    opt_shapes = jax.eval_shape(optimizer.init, params)
     opt_shardings = optax.tree_utils.tree_map_params(
         optimizer,
         lambda _, sharding: sharding,
-        jax.eval_shape(optimizer.init, _shapes(boxed["params"])),
+        opt_shapes,
         var_shardings["params"],
         transform_non_params=lambda _: replicated(mesh),
     )
-    return TrainState(replicated(mesh), var_shardings["params"], var_shardings[BIAS], opt_shardings)
+    shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, _shapes(boxed[BIAS]), opt_shapes)
+    return shapes, TrainState(replicated(mesh), var_shardings["params"], var_shardings[BIAS], opt_shardings)
 
 
 def _shapes(boxed_tree: Any) -> Any:
@@ -73,10 +77,20 @@ def _new_state(model: DeepSeekV3, config: Config, optimizer: optax.GradientTrans
 
 
 def create_train_state(
-    model: DeepSeekV3, config: Config, optimizer: optax.GradientTransformation, mesh: Mesh
+    model: DeepSeekV3,
+    config: Config,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    abstract: TrainState | None = None,
 ) -> StateSetup:
+    """The initialised state, each leaf created on its devices. ``abstract`` (from
+    ``abstract_train_state``, when the caller has it) gives the shardings without tracing the
+    model's initialisation a second time."""
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)):
-        shardings = _state_shardings(model, config, optimizer, mesh)
+        if abstract is None:
+            _, shardings = _shapes_and_shardings(model, config, optimizer, mesh)
+        else:
+            shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract)
         new_state = jax.jit(partial(_new_state, model, config, optimizer), out_shardings=shardings)
         state = new_state(jax.random.key(config.seed))
     return StateSetup(state, shardings)
@@ -90,6 +104,5 @@ def abstract_train_state(
     optimizer's step count, the key) run on the host's default device: the mesh may then be one of
     compile-only devices (a GPU target compiled on a CPU host)."""
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(axis_rules(config)):
-        shardings = _state_shardings(model, config, optimizer, mesh)
-        shapes = jax.eval_shape(partial(_new_state, model, config, optimizer), jax.random.key(config.seed))
+        shapes, shardings = _shapes_and_shardings(model, config, optimizer, mesh)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
