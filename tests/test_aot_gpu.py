@@ -9,7 +9,6 @@ what it refuses; and the pieces that read XLA:GPU's HLO."""
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +30,7 @@ from MaxText.config import load_config
 from MaxText.models.accounting import memory_estimate
 from MaxText.planner.systems import SYSTEMS
 from tests.conftest import make_config
+from tools.aot_compile import read_recipe
 
 pytestmark = pytest.mark.slow  # compiles for GPU targets: `make test-fast` leaves this file out
 
@@ -79,7 +79,7 @@ def _json(out: subprocess.CompletedProcess) -> dict:
 
 def recipe_value(key: str) -> str:
     """A key's value in the GB200 recipe's training arguments."""
-    return re.search(rf"^\s*{key}=(\S+)$", (ROOT / GB200_RECIPE).read_text(), re.M).group(1)
+    return dict(arg.split("=", 1) for arg in read_recipe(ROOT / GB200_RECIPE).args)[key]
 
 
 @pytest.fixture(scope="module")

@@ -104,15 +104,17 @@ def compiled(backend: str, exchange: str, *overrides: str):
     mesh = make_mesh(config, jax.devices())
     params, reference = one_device(backend)
     jitted = jax.jit(fn)
-    traced = []
+    checked = False
 
     def expert_parallel(*args):
+        nonlocal checked
         with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)):
-            if not traced:  # one program for every routing: its trace checked once, and reused by the call
-                traced.append(jaxpr := str(jitted.trace(*args).jaxpr))
+            if not checked:  # one program for every routing: its trace checked once, and reused by the call
+                jaxpr = str(jitted.trace(*args).jaxpr)
                 assert "shard_map" in jaxpr  # the expert-parallel path is taken
                 # The group agrees on its fullest pair (a pmax) only where C < T makes overflow rounds possible.
                 assert ("pmax" in jaxpr) == (config.moe_ep_buffer_factor < 1)
+                checked = True
             return jitted(*args)
 
     return config, params, reference, expert_parallel

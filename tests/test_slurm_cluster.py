@@ -8,19 +8,21 @@ shipped sbatch files on CPU, two tasks per job, each task one JAX process (gloo 
    (tests/cluster/scaled_down.py) with the MoE stack pipelined over two stages, one per process
    (the stage axis across processes: the stage transfers go over gloo), so its losses are those of
    an uninterrupted smoke run with that layout.
-2. Preemption as the cluster does it (``scancel --signal=TERM``, what ``--signal=TERM@600`` sends)
-   on ``smoke.sbatch``: the job exits 0 having saved its step, and the same job submitted again,
-   smoke.sbatch as shipped with ``--ntasks=2`` but for its run name and the same stage axis across
-   its two tasks, continues with exactly the uninterrupted losses: both tasks join one JAX job
-   (``num_processes: 2`` in the run's config.yml) and the run reaches its last step.
-3. A plan through ``CONFIG``, as ``tools/plan.py --emit-config`` says to use it
+2. A plan through ``CONFIG``, as ``tools/plan.py --emit-config`` says to use it
    (``CONFIG=plan.yml sbatch recipes/slurm/smoke.sbatch``): the plan's mesh, not the recipe's, is
    the run's, and ``MAXTEXT_ARGS`` still wins over the plan.
+3. Failures and preemption on ``smoke.sbatch`` with both checkpoint tiers: a task's process killed
+   (SIGKILL) three times, the run started again by the recipe's run block each time from the
+   newest tier any copy holds; then the signal that precedes a time limit (``scancel
+   --signal=TERM``, what ``--signal=TERM@60`` sends): the job exits 0 having saved its step, and
+   the same job submitted again continues from it with exactly the uninterrupted losses, both
+   tasks one JAX job (``num_processes: 2`` in the run's config.yml).
 
 The jobs run one after another (the node has the machine's CPUs, a job takes two). The processes
 see one CPU device each; the GPU-only settings the 671B recipe exports (XLA GPU flags, NCCL) are
-inert on CPU. The first three jobs compile one program, so the suite's shared compilation cache
-serves all but the first; the planned job compiles its own (another mesh) and runs 2 steps.
+inert on CPU. The recipe's run and the two-tier job compile one program, so the suite's shared
+compilation cache serves all but the first; the planned job compiles its own (another mesh) and
+runs 2 steps.
 
 smoke.sbatch checkpoints at its last step and when signalled, not periodically. Periodic saves of
 a two-process run are exercised in tests/test_train.py (they once crashed gloo, or hung, because
@@ -152,66 +154,6 @@ def test_gb200_recipe_file_runs_scaled_down(recipe_run):
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, SMOKE_STEPS + 1))
 
 
-# ---------------------------------------------------------------- preemption and resume
-
-
-def wait_for_step(cluster: LocalSlurm, job_id: str, run_dir: Path, step: int, timeout: float = JOB_TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if max(losses(run_dir), default=0) >= step:
-            return
-        assert cluster.job(job_id).get("JobState") in ("PENDING", "RUNNING"), "the job ended before the signal"
-        time.sleep(0.05)
-    raise AssertionError(f"step {step} not reached in {timeout} s")
-
-
-def test_signalled_smoke_job_saves_and_resubmitted_job_continues_exactly(cluster, submit_env, recipe_run, tmp_path):
-    """smoke.sbatch stopped by the signal that precedes a time limit, then submitted again. The
-    first job asks for far more steps on the same learning-rate schedule, so that the signal lands
-    mid-run however fast the steps are, and lets the processes agree on a signal after every step
-    (the default, every 10 steps, would let smoke.sbatch's 10 steps finish); the second is
-    smoke.sbatch's own run, which must form one JAX job of both tasks and log exactly the losses
-    of the uninterrupted run (the scaled-down recipe's). Both take the recipe run's stage axis."""
-    assert re.search(rf"^  steps={SMOKE_STEPS}$", (SLURM / "smoke.sbatch").read_text(), re.M)
-    output = tmp_path / "outputs"
-    run_dir = output / "preempted"  # the resubmitted job (a new job id) must find the same run
-    first = (
-        "run_name=preempted",
-        "steps=1000",
-        f"learning_rate_schedule_steps={SMOKE_STEPS}",
-        "preemption_check_period=1",
-        *STAGE_ACROSS_TASKS,
-    )
-
-    job_id = submit(cluster, submit_env, SLURM / "smoke.sbatch", output, "--ntasks=2", args=first)
-    wait_for_step(cluster, job_id, run_dir, 1)
-    cluster.signal(job_id, "TERM")
-    log = finish(cluster, job_id, output)
-    stopped = re.search(r"stopped by SIGTERM after step (\d+); saved (\S+)", log)
-    assert stopped, log[-3000:]
-    step = int(stopped.group(1))
-    assert step < SMOKE_STEPS, f"the signal reached the job only after step {step}"
-    assert Path(stopped.group(2)) == run_dir / "checkpoints" / str(step)
-    assert (run_dir / "checkpoints" / str(step) / "state").is_dir()
-
-    job_id = submit(
-        cluster,
-        submit_env,
-        SLURM / "smoke.sbatch",
-        output,
-        "--ntasks=2",
-        args=("run_name=preempted", *STAGE_ACROSS_TASKS),
-    )
-    log = finish(cluster, job_id, output)
-    assert f"resuming from {run_dir / 'checkpoints' / str(step)} (step {step})" in log, log[-3000:]
-    config, topology = runtime(run_dir)
-    assert (topology["num_processes"], topology["num_devices"], topology["platform"]) == (2, 2, "cpu")
-    assert config["model_name"] == "deepseek3-tiny"
-    assert sorted(losses(run_dir)) == list(range(1, SMOKE_STEPS + 1))
-    assert (run_dir / "checkpoints" / str(SMOKE_STEPS)).is_dir()
-    assert losses(run_dir) == losses(recipe_run[0])
-
-
 # ---------------------------------------------------------------- a plan, through CONFIG
 
 
@@ -286,31 +228,38 @@ def wait_for_local_step(cluster: LocalSlurm, job_id: str, local: Path, step: int
         time.sleep(0.05)
 
 
-def test_killed_process_requeues_and_resumes_from_the_newest_tier(cluster, submit_env, recipe_run, tmp_path):
+def test_killed_process_restarts_from_the_newest_tier_and_a_signalled_job_continues_exactly(
+    cluster, submit_env, recipe_run, tmp_path
+):
     """smoke.sbatch with both checkpoint tiers (node-local every 2 steps, persistent every 5) and
     the recipe run's stage axis, so each task holds its own half of the state and keeps a copy of
-    the other's. Task 1's process is killed with SIGKILL three times; each time the recipe's run
+    the other's. The job asks for far more steps on smoke.sbatch's learning-rate schedule, so that
+    it is still running whenever a signal lands, and lets the processes agree on a signal after
+    every step. Task 1's process is killed with SIGKILL three times; each time the recipe's run
     block starts the run again in the job's allocation, and it resumes:
     1. after local step 6 (persistent 5): from the local step 6;
     2. after local step 8, with task 1's local directory deleted (a replaced node): from step 8,
        task 1's blocks sent from task 0's copy;
     3. after local step 12, with every local directory deleted: from the persistent step 10.
-    The losses of steps 1-10 are the uninterrupted run's (the scaled-down recipe's, same
-    schedule) and every step logged again after a resume repeats its loss bit for bit."""
+    Then the job gets the signal that precedes a time limit (``--signal=TERM@60``): it saves its
+    step and exits 0, and the same job submitted again (a new job id, the same run) continues from
+    that step to step 20 as one JAX job of both tasks. The losses of steps 1-10 are the
+    uninterrupted run's (the scaled-down recipe's, same schedule) and every step logged again
+    after a resume or the resubmission repeats its loss bit for bit."""
     output = tmp_path / "outputs"
     run_dir, local = output / "twotier", tmp_path / "local"
     run_local = local / "twotier"
     args = (
         "run_name=twotier",
-        "steps=16",
         f"learning_rate_schedule_steps={SMOKE_STEPS}",
         "checkpoint_period=5",
         "enable_emergency_checkpoint=true",
         f"local_checkpoint_directory={local}",
         "local_checkpoint_period=2",
+        "preemption_check_period=1",
         *STAGE_ACROSS_TASKS,
     )
-    job_id = submit(cluster, submit_env, SLURM / "smoke.sbatch", output, "--ntasks=2", args=args)
+    job_id = submit(cluster, submit_env, SLURM / "smoke.sbatch", output, "--ntasks=2", args=(*args, "steps=1000"))
 
     wait_for_local_step(cluster, job_id, run_local, 6)
     kill_task(job_id, 1)
@@ -318,6 +267,8 @@ def test_killed_process_requeues_and_resumes_from_the_newest_tier(cluster, submi
     kill_task(job_id, 1, run_local / "process-1")
     wait_for_local_step(cluster, job_id, run_local, 12)
     kill_task(job_id, 1, run_local)
+    wait_for_local_step(cluster, job_id, run_local, 14)  # the restarted run has gone past its restore
+    cluster.signal(job_id, "TERM")
 
     log = finish(cluster, job_id, output)
     resumed = re.findall(r"^resuming from (.*) \(step (\d+)\)$", log, re.M)
@@ -328,12 +279,33 @@ def test_killed_process_requeues_and_resumes_from_the_newest_tier(cluster, submi
     ], log[-4000:]
     assert "node-local step 8: process 1's blocks from process 0's storage" in log, log[-4000:]
     assert [int(n) for n in re.findall(r"restarting the run \(restart (\d) of 3\)", log)] == [1, 2, 3], log[-4000:]
+    stopped = re.search(r"stopped by SIGTERM after step (\d+); saved (\S+)", log)
+    assert stopped, log[-3000:]
+    step, last = int(stopped.group(1)), 20
+    assert 14 <= step < last, f"the signal reached the job only after step {step}"
+    assert Path(stopped.group(2)) == run_dir / "checkpoints" / str(step)
+    assert (run_dir / "checkpoints" / str(step) / "state").is_dir()
+
+    job_id = submit(cluster, submit_env, SLURM / "smoke.sbatch", output, "--ntasks=2", args=(*args, f"steps={last}"))
+    log = finish(cluster, job_id, output)
+    newest = (
+        f"the node-local checkpoint {run_local / 'process-0' / str(step)}",
+        str(run_dir / "checkpoints" / str(step)),
+    )
+    assert [source for source, at in re.findall(r"^resuming from (.*) \(step (\d+)\)$", log, re.M)] in (
+        [newest[0]],
+        [newest[1]],
+    ), log[-3000:]  # the node-local copy when the signal came after a node-local save, else the persistent
+    config, topology = runtime(run_dir)
+    assert (topology["num_processes"], topology["num_devices"], topology["platform"]) == (2, 2, "cpu")
+    assert config["model_name"] == "deepseek3-tiny"
+    assert (run_dir / "checkpoints" / str(last)).is_dir()
     first, repeated = {}, 0
     for record in metrics(run_dir):
         if record["step"] in first:
             assert record["loss"] == first[record["step"]], f"step {record['step']} changed after a resume"
             repeated += 1
         first.setdefault(record["step"], record["loss"])
-    assert repeated >= 2 and sorted(first) == list(range(1, 17))
+    assert repeated >= 2 and sorted(first) == list(range(1, last + 1))
     reference = losses(recipe_run[0])
     assert {step: first[step] for step in reference} == reference
