@@ -57,9 +57,10 @@ $(GPU_STAMP): $(TEST_STAMP) requirements-gpu-compile.txt Makefile
 train: venv
 	$(PY) -m MaxText.train $(ARGS)
 
-# Two workers (one per core here); a test file stays on one worker so its shared runs happen once.
+# Two workers (one per core here); a test file stays on one worker so its shared runs happen once,
+# and the files go out slowest first (tests/conftest.py), not by their number of tests.
 # The slowest tests are listed at the end, to keep the suite within its time.
-PYTEST_ARGS ?= -n 2 --dist loadfile --durations=25
+PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 test: test-deps gpu-compile-deps
 	GPU_COMPILE_PYTHON=$(abspath $(GPU_PY)) $(PY) -m pytest tests --ignore=tests/docker $(PYTEST_ARGS)
 

@@ -29,26 +29,29 @@ def make_config(*overrides: str, model: str = "deepseek3-tiny") -> Config:
     return load_config([f"model_name={model}", "run_name=test", *overrides]).with_platform("cpu")
 
 
-# The slowest files first, so that two workers (``--dist loadfile``) finish together. (The
-# Kubernetes pods run a program of their own: after the Slurm module they took 57.6 s, alone 58.7 s.)
+# The slowest files first (worker-seconds of a full run, docs/LOG.md), so that two workers
+# (``--dist loadfile``) finish together. pytest-xdist orders files by their number of tests unless
+# told not to: ``make test`` passes ``--no-loadscope-reorder``.
 SLOW_FILES_FIRST = (
-    "test_slurm_cluster.py",
     "test_aot_gpu.py",
     "test_train.py",
-    "test_pipeline.py",
+    "test_slurm_cluster.py",
     "test_expert_parallel.py",
+    "test_pipeline.py",
     "test_health.py",
-    "test_train_parts.py",
-    "test_k8s_jobset.py",
-    "test_routing_balance.py",
-    "test_resume.py",
     "test_docs_commands.py",
-    "test_quantization.py",
-    "test_hf_interop.py",
-    "test_data_train.py",
-    "test_checkpointing.py",
-    "test_aot_compile.py",
+    "test_routing_balance.py",
     "test_tokamax_matmul.py",
+    "test_k8s_jobset.py",
+    "test_train_parts.py",
+    "test_data_train.py",
+    "test_hf_interop.py",
+    "test_resume.py",
+    "test_quantization.py",
+    "test_aot_compile.py",
+    "test_checkpointing.py",
+    "test_tool_help.py",
+    "test_data_pipeline.py",
     "test_gradients.py",
 )
 
