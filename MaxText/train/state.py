@@ -83,14 +83,13 @@ def create_train_state(
     mesh: Mesh,
     abstract: TrainState | None = None,
 ) -> StateSetup:
-    """The initialised state, each leaf created on its devices. ``abstract`` (from
-    ``abstract_train_state``, when the caller has it) gives the shardings without tracing the
-    model's initialisation a second time."""
+    """The initialised state, each leaf created on its devices with the sharding of ``abstract``
+    (``abstract_train_state``'s; pass it when you have it, so the model's initialisation is not
+    traced a second time)."""
+    if abstract is None:
+        abstract = abstract_train_state(model, config, optimizer, mesh)
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract)
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)):
-        if abstract is None:
-            _, shardings = _shapes_and_shardings(model, config, optimizer, mesh)
-        else:
-            shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract)
         new_state = jax.jit(partial(_new_state, model, config, optimizer), out_shardings=shardings)
         state = new_state(jax.random.key(config.seed))
     return StateSetup(state, shardings)

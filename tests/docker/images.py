@@ -80,11 +80,11 @@ def build(engine: Engine, dockerfile: str, tag: str, target: str | None = None, 
     t0 = time.perf_counter()
     engine.run(*args, ".", cwd=REPO, timeout=3600)
     seconds = time.perf_counter() - t0
-    if before and before != image_id(engine, tag):
+    after, size = engine.run("image", "inspect", "--format", "{{.Id}} {{.Size}}", tag).stdout.split()
+    if before and before != after:
         # The image this tag named before (built from other sources) is left untagged, with the
         # layers only it used. The engine's data folder outlives the runs and under vfs every layer is
         # a full copy of the file system, so each run would leave gigabytes behind: remove it (its
         # layers go with it; the engine keeps any another image still uses).
         engine.run("image", "rm", before, check=False, timeout=600)
-    size = int(engine.run("image", "inspect", "--format", "{{.Size}}", tag).stdout.strip())
-    return {"tag": tag, "seconds": seconds, "size_gb": size / 1e9}
+    return {"tag": tag, "seconds": seconds, "size_gb": int(size) / 1e9}
