@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -150,6 +151,12 @@ def _trace_leaves(config: Config) -> tuple[Leaf, ...]:
 
     with nn.logical_axis_rules(()):  # shard nothing, whatever mesh the caller has entered
         variables = nn.meta.unbox(jax.eval_shape(init))
+    return leaves_of(variables)
+
+
+def leaves_of(variables: dict[str, Any]) -> tuple[Leaf, ...]:
+    """The parameter leaves of a variables dict (arrays or shapes, e.g. the train state's
+    ``{"params": ..., BIAS: ...}``), in ``PARAM_COLLECTIONS`` order."""
     leaves = []
     for collection in PARAM_COLLECTIONS:
         for keys, shape in flatten_dict(dict(variables.get(collection, {}))).items():
@@ -168,6 +175,12 @@ def param_leaves(config: Config) -> tuple[Leaf, ...]:
     return _LEAF_CACHE[key]
 
 
+def count_parameters_of(config: Config, variables: dict[str, Any]) -> ParamCounts:
+    """``count_parameters`` from variables the caller already has (the train state's abstract
+    ``params`` and ``moe_bias``), so that the model is not traced again for them."""
+    return _counts(config, leaves_of(variables))
+
+
 # ---------------------------------------------------------------- counts, FLOPs, memory
 
 
@@ -179,8 +192,12 @@ def _active(parts: dict[str, int], fraction: tuple[int, int]) -> int:
 
 def count_parameters(config: Config) -> ParamCounts:
     """Parameter counts by component, from the real model definition (no allocation)."""
+    return _counts(config, param_leaves(config))
+
+
+def _counts(config: Config, leaves: tuple[Leaf, ...]) -> ParamCounts:
     main, mtp = dict.fromkeys(MAIN_COMPONENTS, 0), dict.fromkeys(COMPONENTS, 0)
-    for leaf in param_leaves(config):
+    for leaf in leaves:
         (mtp if leaf.is_mtp else main)[component_of(leaf.path)] += leaf.size
     return ParamCounts(main, mtp, (config.num_experts_per_tok, config.num_experts))
 
