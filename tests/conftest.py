@@ -4,20 +4,36 @@ Every JAX process of the suite, this one and the runs it starts, compiles with `
 because the suite compiles far more than it runs: no LLVM optimisation (it cut the compile-bound
 tests by a third here, with the same losses) and XLA:CPU's classic elemental emitters instead of
 its MLIR fusion emitters (a sharded step of the tiny model compiled in 8.0-8.5 s instead of
-11.1-13.4, with the same loss). Runs in subprocesses share one compilation cache (``cpu_env`` with
-the ``jax_cache`` fixture).
+11.1-13.4, with the same loss).
+
+Every JAX process of the suite also shares one persistent compilation cache, kept between runs of
+the suite in a user-level folder as pip keeps its downloads (``MAXTEXT_TEST_JAX_CACHE`` moves it):
+entries are keyed by the program, its XLA flags, devices and jaxlib, so a changed program compiles
+again, and the oldest entries go beyond ``JAX_CACHE_MAX_BYTES``. Only a speed-up: a suite run on an
+empty cache checks the same things.
 """
 
 import os
+import tempfile
+from pathlib import Path
 
 TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+JAX_CACHE = Path(os.environ.get("MAXTEXT_TEST_JAX_CACHE", Path.home() / ".cache" / "maxtext-tests" / "jax"))
+try:
+    JAX_CACHE.mkdir(parents=True, exist_ok=True)
+except OSError:  # a home folder that cannot be written (an image's user): a temporary folder
+    JAX_CACHE = Path(tempfile.gettempdir()) / "maxtext-tests-jax"
+JAX_CACHE_MAX_BYTES = 4 << 30  # JAX's own bound (its LRU eviction) races between processes: pruned here
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "").split()
 _flags += [f for f in ("--xla_force_host_platform_device_count=8", *TEST_XLA_FLAGS) if f not in _flags]
 os.environ["XLA_FLAGS"] = " ".join(_flags)
-
-from pathlib import Path  # noqa: E402
+CACHE_ENV = {
+    "JAX_COMPILATION_CACHE_DIR": str(JAX_CACHE),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # with no LLVM optimisation most compiles are short
+}
+os.environ.update(CACHE_ENV)
 
 import pytest  # noqa: E402
 
@@ -40,7 +56,7 @@ SLOW_FILES_FIRST = (
     "test_pipeline.py",
     "test_health.py",
     "test_docs_commands.py",
-    "test_routing_balance.py",
+    "test_default_run.py",
     "test_tokamax_matmul.py",
     "test_k8s_jobset.py",
     "test_train_parts.py",
@@ -56,6 +72,20 @@ SLOW_FILES_FIRST = (
 )
 
 
+def pytest_sessionstart(session) -> None:
+    """The compilation cache kept within ``JAX_CACHE_MAX_BYTES``: the oldest entries go first
+    (once per run, before any worker starts)."""
+    if hasattr(session.config, "workerinput"):
+        return
+    entries = sorted((p for p in JAX_CACHE.iterdir() if p.is_file()), key=lambda p: p.stat().st_mtime)
+    total = sum(p.stat().st_size for p in entries)
+    for entry in entries:
+        if total <= JAX_CACHE_MAX_BYTES:
+            break
+        total -= entry.stat().st_size
+        entry.unlink(missing_ok=True)
+
+
 def pytest_collection_modifyitems(items: list) -> None:
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept otherwise
@@ -67,14 +97,10 @@ def tiny_config() -> Config:
 
 
 @pytest.fixture(scope="session")
-def jax_cache(tmp_path_factory) -> Path:
-    """A persistent JAX compilation cache for the whole test session (pytest-xdist gives each
-    worker its own folder under one session folder). Only a speed-up: entries are keyed by the
-    compiled program, its flags and devices, so a miss compiles again."""
-    base = tmp_path_factory.getbasetemp()
-    folder = (base.parent if base.name.startswith("popen-gw") else base) / "jax-cache"
-    folder.mkdir(exist_ok=True)
-    return folder
+def jax_cache() -> Path:
+    """The suite's persistent JAX compilation cache (see the module docstring), for the
+    environment of the processes a test starts."""
+    return JAX_CACHE
 
 
 def cpu_env(devices: int, jax_cache: Path, **extra: str) -> dict[str, str]:
@@ -84,7 +110,7 @@ def cpu_env(devices: int, jax_cache: Path, **extra: str) -> dict[str, str]:
         **os.environ,
         "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": " ".join((f"--xla_force_host_platform_device_count={devices}", *TEST_XLA_FLAGS)),
+        **CACHE_ENV,
         "JAX_COMPILATION_CACHE_DIR": str(jax_cache),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # with no LLVM optimisation most compiles are short
         **extra,
     }

@@ -29,7 +29,7 @@ from MaxText.aot.targets import TARGETS
 from MaxText.config import load_config
 from MaxText.models.accounting import memory_estimate
 from MaxText.planner.systems import SYSTEMS
-from tests.conftest import make_config
+from tests.conftest import CACHE_ENV, make_config
 from tools.aot_compile import read_recipe
 
 pytestmark = pytest.mark.slow  # compiles for GPU targets: `make test-fast` leaves this file out
@@ -50,11 +50,17 @@ DEVICES = 64
 GB200_RECIPE = "recipes/slurm/deepseek3-671b-gb200-nvl72.sbatch"
 
 
+def gpu_target_env() -> dict[str, str]:
+    """The environment of a GPU-target compile: without the suite's CPU flags, and without its
+    compilation cache (XLA:GPU's compile-only programs get a new cache key on every run)."""
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and k not in CACHE_ENV}
+
+
 def aot(*args: str, timeout: int = 600, kernel_cache: Path | None = None) -> subprocess.CompletedProcess:
     """tools/aot_compile.py run by the interpreter that has the CUDA plugin (no skip without it:
     the suite's make target installs it)."""
     assert Path(GPU_PYTHON).exists(), f"{GPU_PYTHON} is missing: run `make gpu-compile-deps` (make test does)"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = gpu_target_env()
     if kernel_cache:
         env["XLA_FLAGS"] = f"--xla_gpu_kernel_cache_file={kernel_cache}"
     command = [GPU_PYTHON, str(ROOT / "tools" / "aot_compile.py"), *args]
@@ -64,7 +70,7 @@ def aot(*args: str, timeout: int = 600, kernel_cache: Path | None = None) -> sub
 def compiled_script(script: str, *argv: str) -> list[str]:
     """The output lines of ``script`` (it compiles for a GPU target without the GPU) run by the
     interpreter that has the CUDA plugin, on the host platform only."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    env = gpu_target_env() | {"JAX_PLATFORMS": "cpu"}
     out = subprocess.run(
         [GPU_PYTHON, "-c", script, *argv], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
     )
@@ -164,9 +170,12 @@ def kernel_cache(tmp_path_factory) -> Path:
 # The MXFP8 dispatch is the same exchange at any size: deepseek3-tiny128 (every contraction dim a
 # multiple of 128, as the 671B's) on 8 GB200 with the recipe's flags and exchange, the 1-sequence
 # settings. Both compiles run the experts in `blocked`, as mxfp8 must (tokamax takes no
-# quantization), so the two programs differ in the quantization alone; one block size, no MTP.
+# quantization), so the two programs differ in the quantization alone; one block size, no MTP,
+# one MoE layer and no dense one (each compile 14 s instead of 25 here).
 TINY128_EXCHANGE = [
     "model_name=deepseek3-tiny128",
+    "base_num_decoder_layers=1",
+    "first_num_dense_layers=0",
     "mtp_num_layers=0",
     "per_device_batch_size=1",
     "max_target_length=512",
@@ -228,7 +237,7 @@ from MaxText.parallel.platform import compiling_for
 from MaxText.parallel.sharding import axis_rules
 from MaxText.quantization import linear
 from MaxText.quantization.quantize import recipe_of
-from tests.conftest import make_config
+from tests.conftest import CACHE_ENV, make_config
 
 mesh_keys = sys.argv[1].split()  # the tokens split over every mesh axis, the weight as the rules store it
 config = make_config("quantization=mxfp8", "fp8_gemm=cudnn", *mesh_keys)
@@ -328,9 +337,12 @@ def test_pipelined_model_compiles_for_gb200_with_cudnn_attention():
     and one more forward (each iteration rematerialised), 4/3. The model's dims are tokamax's
     smallest (128): the tiny model's 64 and 32 would be padded to them (8x the FLOPs)."""
     # No MTP: its MoE layer routes a whole batch's tokens, and the report's balanced rows per
-    # grouped GEMM take the pipelined stack's (a micro-batch's).
+    # grouped GEMM take the pipelined stack's (a micro-batch's). No dense layer: the pipeline
+    # takes the MoE stack alone.
     args = (
         "model_name=deepseek3-tiny128",
+        "base_num_decoder_layers=2",
+        "first_num_dense_layers=0",
         "mtp_num_layers=0",
         "dtype=bfloat16",
         "attention=cudnn",
@@ -356,7 +368,8 @@ def test_xla_gpu_lowers_ragged_dot_densely_over_the_local_experts():
     one dense matmul over a GPU's local experts and the whole layout (``moe_ep_buffer_factor`` x
     the balanced share of rows): the tiny model with 4 local experts per GPU does 4 x 2 = 8x the
     routed experts' FLOPs (the 671B at expert 16: 32x)."""
-    args = ("model_name=deepseek3-tiny", "mtp_num_layers=0", "moe_matmul=ragged_dot", "ici_expert_parallelism=4")
+    args = ("model_name=deepseek3-tiny", "base_num_decoder_layers=1", "first_num_dense_layers=0", "mtp_num_layers=0")
+    args += ("moe_matmul=ragged_dot", "ici_expert_parallelism=4")
     r = _json(aot(*args, "ici_fsdp_parallelism=2", "--devices", "8", "--target", "gb200", "--json"))
     ratio = r["scope_flops"]["routed_experts"] / r["scope_expected"]["routed_experts"]
     local_experts, layout_factor = 16 // 4, 2.0

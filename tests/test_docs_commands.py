@@ -6,8 +6,8 @@ would, and each one is
 
 - **run**, where that is cheap and needs no cluster: ``python -m MaxText.train --help`` and
   ``--help-keys``, ``tools/model_stats.py``, ``tools/plan.py`` (in a temporary folder, so that
-  ``--emit-config`` writes there), the ``--help`` of every tool a command names, and the README's
-  quick-start ``make train`` for 2 steps into a temporary folder (marked slow);
+  ``--emit-config`` writes there) and the ``--help`` of every tool a command names (the README's
+  quick-start ``make train`` runs in ``test_default_run.py``);
 - **parsed**, everything else (sbatch, kubectl, docker, GPU-only tools, long runs): ``make`` targets
   and variables exist in the Makefile; every ``key=value`` (on a python command line, in ``ARGS`` or in
   ``MAXTEXT_ARGS``) names a key of ``MaxText/configs/base.yml`` and every ``model_name`` an overlay;
@@ -23,7 +23,6 @@ docs page, and the README stays a front page (at most about 200 lines).
 from __future__ import annotations
 
 import importlib.util
-import json
 import re
 import shlex
 import subprocess
@@ -357,31 +356,6 @@ def quick_start() -> tuple[Command, str]:
     section = README.read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
     first = next(c for c in COMMANDS if c.where.startswith("README.md") and c.words[:2] == ("make", "train"))
     return first, section
-
-
-@pytest.mark.slow
-def test_the_readme_quick_start_trains(tmp_path, jax_cache):
-    """`make train` as the README writes it, for 2 steps into a temporary folder: it runs the
-    Makefile's train command (checked here) without the install step, and writes every file the
-    quick start names."""
-    command, section = quick_start()
-    recipe = re.search(r"^train:.*\n\t(.+)$", MAKEFILE, re.M).group(1)
-    assert recipe.split() == ["$(PY)", "-m", "MaxText.train", "$(ARGS)"], recipe
-    args = config_arguments(command)
-    out = tmp_path / "outputs"
-    argv = [sys.executable, "-m", "MaxText.train", *args, "steps=2", f"base_output_directory={out}", "run_name=quick"]
-    result = subprocess.run(argv, cwd=REPO, env=cpu_env(1, jax_cache), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    run = out / "quick"
-    named = {n for n in re.findall(r"`([\w.-]+(?:\.yml|\.jsonl|\.png)|[\w-]+/)`", section) if n != "outputs/"}
-    assert {"config.yml", "metrics.jsonl", "checkpoints/"} <= named, named
-    for name in named:
-        assert (run / name).exists(), f"the quick start names {name}; the run did not write it"
-    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert any(line.get("step") == 2 for line in steps)
-    printed = [line for line in result.stdout.splitlines() if line.strip()]
-    assert re.fullmatch(r"devices: 1 x \S.* \(cpu\)", printed[0]), printed[:3]  # the device line comes first
-    assert printed[-1].endswith(f"; newest checkpoint: {run / 'checkpoints' / '2'}"), printed[-1]
 
 
 # ---------------------------------------------------------------- links, the map, the length
