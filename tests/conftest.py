@@ -9,8 +9,9 @@ its MLIR fusion emitters (a sharded step of the tiny model compiled in 8.0-8.5 s
 Every JAX process of the suite also shares one persistent compilation cache, kept between runs of
 the suite in a user-level folder as pip keeps its downloads (``MAXTEXT_TEST_JAX_CACHE`` moves it):
 entries are keyed by the program, its XLA flags, devices and jaxlib, so a changed program compiles
-again, and the oldest entries go beyond ``JAX_CACHE_MAX_BYTES``. Only a speed-up: a suite run on an
-empty cache checks the same things.
+again, and the oldest entries go beyond ``JAX_CACHE_MAX_BYTES``. A cached executable brings no
+compile-time warnings and the metadata of whichever compile stored it, so what reads those
+compiles without the cache (``tools/aot_compile.py``, ``fresh_compiles`` in test_aot_compile.py).
 """
 
 import os
@@ -23,6 +24,7 @@ try:
     JAX_CACHE.mkdir(parents=True, exist_ok=True)
 except OSError:  # a home folder that cannot be written (an image's user): a temporary folder
     JAX_CACHE = Path(tempfile.gettempdir()) / "maxtext-tests-jax"
+    JAX_CACHE.mkdir(exist_ok=True)
 JAX_CACHE_MAX_BYTES = 4 << 30  # JAX's own bound (its LRU eviction) races between processes: pruned here
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -77,13 +79,19 @@ def pytest_sessionstart(session) -> None:
     (once per run, before any worker starts)."""
     if hasattr(session.config, "workerinput"):
         return
-    entries = sorted((p for p in JAX_CACHE.iterdir() if p.is_file()), key=lambda p: p.stat().st_mtime)
-    total = sum(p.stat().st_size for p in entries)
-    for entry in entries:
+    entries = []
+    for path in JAX_CACHE.iterdir():
+        try:
+            entries.append((path, path.stat()))
+        except OSError:  # gone meanwhile (another run pruning)
+            continue
+    entries.sort(key=lambda entry: entry[1].st_mtime)
+    total = sum(stat.st_size for _, stat in entries)
+    for path, stat in entries:
         if total <= JAX_CACHE_MAX_BYTES:
             break
-        total -= entry.stat().st_size
-        entry.unlink(missing_ok=True)
+        total -= stat.st_size
+        path.unlink(missing_ok=True)
 
 
 def pytest_collection_modifyitems(items: list) -> None:
@@ -114,3 +122,10 @@ def cpu_env(devices: int, jax_cache: Path, **extra: str) -> dict[str, str]:
         "JAX_COMPILATION_CACHE_DIR": str(jax_cache),
         **extra,
     }
+
+
+def gpu_target_env() -> dict[str, str]:
+    """The environment of a process that compiles for GPU targets (with JAX's CUDA plugin): without
+    the suite's XLA:CPU flags and without its compilation cache (a GPU target's train step got a
+    new cache key on every run)."""
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and k not in CACHE_ENV}

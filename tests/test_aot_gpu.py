@@ -29,7 +29,7 @@ from MaxText.aot.targets import TARGETS
 from MaxText.config import load_config
 from MaxText.models.accounting import memory_estimate
 from MaxText.planner.systems import SYSTEMS
-from tests.conftest import CACHE_ENV, make_config
+from tests.conftest import gpu_target_env, make_config
 from tools.aot_compile import read_recipe
 
 pytestmark = pytest.mark.slow  # compiles for GPU targets: `make test-fast` leaves this file out
@@ -48,12 +48,6 @@ ARCH_671B = [
 ]
 DEVICES = 64
 GB200_RECIPE = "recipes/slurm/deepseek3-671b-gb200-nvl72.sbatch"
-
-
-def gpu_target_env() -> dict[str, str]:
-    """The environment of a GPU-target compile: without the suite's CPU flags, and without its
-    compilation cache (XLA:GPU's compile-only programs get a new cache key on every run)."""
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and k not in CACHE_ENV}
 
 
 def aot(*args: str, timeout: int = 600, kernel_cache: Path | None = None) -> subprocess.CompletedProcess:
@@ -237,7 +231,7 @@ from MaxText.parallel.platform import compiling_for
 from MaxText.parallel.sharding import axis_rules
 from MaxText.quantization import linear
 from MaxText.quantization.quantize import recipe_of
-from tests.conftest import CACHE_ENV, make_config
+from tests.conftest import make_config
 
 mesh_keys = sys.argv[1].split()  # the tokens split over every mesh axis, the weight as the rules store it
 config = make_config("quantization=mxfp8", "fp8_gemm=cudnn", *mesh_keys)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import gpu_target_env
+
 REPO = Path(__file__).resolve().parents[1]
 GPU_PYTHON = os.environ.get("GPU_COMPILE_PYTHON", str(REPO / ".venv-gpu-compile" / "bin" / "python"))
 
@@ -59,7 +61,7 @@ args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=on) for s in [(256, 512),
 hlo = lambda fn: jax.jit(fn).lower(*args).compile().as_text()
 print(check.fp8_gemm_called(hlo(check.per_tensor_fp8)), check.fp8_gemm_called(hlo(check.forward_and_gradients(None))))
 """
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    env = gpu_target_env() | {"JAX_PLATFORMS": "cpu"}
     out = run(GPU_PYTHON, "-c", script, env=env)
     assert out.stdout.split()[-2:] == ["True", "False"]
     sys.path.insert(0, str(REPO / "tools"))

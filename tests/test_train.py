@@ -101,10 +101,10 @@ def test_output_contract(reference):
 def test_sharded_run_matches_single_device_and_resumes_pipelined_then_on_one_device(reference, tmp_path, jax_cache):
     """fsdp=2 x expert=4 over 8 simulated devices, same global batch, with the embedding and the
     head split over the vocabulary, logs the single-device run's losses. Its last checkpoint then
-    continues (resharded on restore) with the MoE stack pipelined over 2 stages x fsdp 2 x expert 2
-    (all_to_all exchange inside the stages); that run's last checkpoint continues on one device,
-    unpipelined, each step accumulating two micro-batches of 4 sequences. Every step has the
-    reference's loss."""
+    continues (resharded on restore) on 4 devices with the MoE stack pipelined over 2 stages x
+    expert 2 (all_to_all exchange inside the stages), each step accumulating two micro-batches of 4
+    sequences, each cut into 2 for the pipeline; that run's last checkpoint continues on one device,
+    unpipelined. Every step has the reference's loss."""
     common = ("run_name=sharded", SAME_SCHEDULE, "log_period=1")
     want = [r["loss"] for r in reference[1]]
     records = run(
@@ -124,12 +124,12 @@ def test_sharded_run_matches_single_device_and_resumes_pipelined_then_on_one_dev
     records = run(
         jax_cache,
         tmp_path,
-        8,
+        4,
         *common,
         f"steps={COMPARE_STEPS + more}",
         "per_device_batch_size=1",
+        "gradient_accumulation_steps=2",
         "ici_pipeline_parallelism=2",
-        "ici_fsdp_parallelism=2",
         "ici_expert_parallelism=2",
         "moe_ep_comm=all_to_all",
     )
@@ -140,15 +140,7 @@ def test_sharded_run_matches_single_device_and_resumes_pipelined_then_on_one_dev
     assert saved["ici_pipeline_parallelism"] == 2
 
     done = COMPARE_STEPS + more
-    records = run(
-        jax_cache,
-        tmp_path,
-        1,
-        *common,
-        f"steps={done + more}",
-        f"per_device_batch_size={GLOBAL_BATCH // 2}",
-        "gradient_accumulation_steps=2",
-    )
+    records = run(jax_cache, tmp_path, 1, *common, f"steps={done + more}", f"per_device_batch_size={GLOBAL_BATCH}")
     assert [r["step"] for r in records[-more:]] == [done + 1, done + 2]
     assert [r["loss"] for r in records[-more:]] == pytest.approx(want[done : done + more], rel=1e-5)
 
