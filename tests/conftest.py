@@ -7,25 +7,33 @@ its MLIR fusion emitters (a sharded step of the tiny model compiled in 8.0-8.5 s
 11.1-13.4, with the same loss).
 
 Every JAX process of the suite also shares one persistent compilation cache, kept between runs of
-the suite in a user-level folder as pip keeps its downloads (``MAXTEXT_TEST_JAX_CACHE`` moves it):
+the suite in a user-level folder as pip keeps its downloads (``MAXTEXT_TEST_CACHE`` moves it):
 entries are keyed by the program, its XLA flags, devices and jaxlib, so a changed program compiles
-again, and the oldest entries go beyond ``JAX_CACHE_MAX_BYTES``. A cached executable brings no
+again, and the oldest entries go beyond ``CACHE_MAX_BYTES``. Compiles for GPU targets stay out of
+it (a GPU target's train step got a new key on every run); they share XLA:GPU's kernel cache
+instead (``gpu_kernel_cache``). A cached executable brings no
 compile-time warnings and the metadata of whichever compile stored it, so what reads those
-compiles without the cache (``tools/aot_compile.py``, ``fresh_compiles`` in test_aot_compile.py).
+compiles past the cache (``compile_train_step`` in MaxText/aot/compile.py, for the AOT report).
 """
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
 TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
-JAX_CACHE = Path(os.environ.get("MAXTEXT_TEST_JAX_CACHE", Path.home() / ".cache" / "maxtext-tests" / "jax"))
+TEST_CACHE = Path(os.environ.get("MAXTEXT_TEST_CACHE", Path.home() / ".cache" / "maxtext-tests"))
 try:
-    JAX_CACHE.mkdir(parents=True, exist_ok=True)
+    (TEST_CACHE / "jax").mkdir(parents=True, exist_ok=True)
 except OSError:  # a home folder that cannot be written (an image's user): a temporary folder
-    JAX_CACHE = Path(tempfile.gettempdir()) / "maxtext-tests-jax"
-    JAX_CACHE.mkdir(exist_ok=True)
-JAX_CACHE_MAX_BYTES = 4 << 30  # JAX's own bound (its LRU eviction) races between processes: pruned here
+    TEST_CACHE = Path(tempfile.gettempdir()) / "maxtext-tests"
+    (TEST_CACHE / "jax").mkdir(parents=True, exist_ok=True)
+JAX_CACHE = TEST_CACHE / "jax"
+GPU_KERNEL_CACHE = TEST_CACHE / "xla-gpu-kernels"
+GPU_KERNEL_CACHE.mkdir(exist_ok=True)
+CACHE_MAX_BYTES = 4 << 30  # JAX's own bound (its LRU eviction) races between processes: pruned here
+KERNEL_CACHE_MAX_BYTES = 256 << 20
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "").split()
@@ -75,12 +83,15 @@ SLOW_FILES_FIRST = (
 
 
 def pytest_sessionstart(session) -> None:
-    """The compilation cache kept within ``JAX_CACHE_MAX_BYTES``: the oldest entries go first
-    (once per run, before any worker starts)."""
+    """The caches kept within ``CACHE_MAX_BYTES``: the oldest entries go first (once per run,
+    before any worker starts)."""
     if hasattr(session.config, "workerinput"):
         return
+    for path in GPU_KERNEL_CACHE.iterdir():  # XLA appends to a kernel cache and never drops a kernel
+        if path.stat().st_size > KERNEL_CACHE_MAX_BYTES:
+            path.unlink(missing_ok=True)
     entries = []
-    for path in JAX_CACHE.iterdir():
+    for path in (*JAX_CACHE.iterdir(), *GPU_KERNEL_CACHE.iterdir()):
         try:
             entries.append((path, path.stat()))
         except OSError:  # gone meanwhile (another run pruning)
@@ -88,7 +99,7 @@ def pytest_sessionstart(session) -> None:
     entries.sort(key=lambda entry: entry[1].st_mtime)
     total = sum(stat.st_size for _, stat in entries)
     for path, stat in entries:
-        if total <= JAX_CACHE_MAX_BYTES:
+        if total <= CACHE_MAX_BYTES:
             break
         total -= stat.st_size
         path.unlink(missing_ok=True)
@@ -104,14 +115,7 @@ def tiny_config() -> Config:
     return make_config()
 
 
-@pytest.fixture(scope="session")
-def jax_cache() -> Path:
-    """The suite's persistent JAX compilation cache (see the module docstring), for the
-    environment of the processes a test starts."""
-    return JAX_CACHE
-
-
-def cpu_env(devices: int, jax_cache: Path, **extra: str) -> dict[str, str]:
+def cpu_env(devices: int, **extra: str) -> dict[str, str]:
     """The environment of a JAX process the suite starts: CPU, ``devices`` simulated devices, the
     suite's XLA flags and its shared compilation cache."""
     return {
@@ -119,9 +123,18 @@ def cpu_env(devices: int, jax_cache: Path, **extra: str) -> dict[str, str]:
         "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": " ".join((f"--xla_force_host_platform_device_count={devices}", *TEST_XLA_FLAGS)),
         **CACHE_ENV,
-        "JAX_COMPILATION_CACHE_DIR": str(jax_cache),
         **extra,
     }
+
+
+def gpu_kernel_cache(target: str) -> Path:
+    """XLA:GPU's kernel cache file for ``target`` (``--xla_gpu_kernel_cache_file``), kept between
+    runs: kernels are found by a fingerprint of their fused computation, which leaves out the GPU
+    and the compiler, so one file per target and per pinned compiler stack. Only a speed-up for a
+    compile-only target: the HLO, its schedule, buffers and thunks are decided before any kernel is
+    generated, and the kernels themselves never run."""
+    stack = hashlib.sha256((REPO / "requirements-gpu-compile.txt").read_bytes()).hexdigest()[:12]
+    return GPU_KERNEL_CACHE / f"{target}-{stack}.bin"
 
 
 def gpu_target_env() -> dict[str, str]:

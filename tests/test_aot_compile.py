@@ -149,11 +149,24 @@ def test_671b_all_to_all_bytes_are_the_dispatch_volume(report_671b):
 
 
 @pytest.fixture
-def fresh_compiles():
-    """XLA warns only while it compiles: no executable from the suite's persistent cache here."""
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", True)
+def fresh_compiles(tmp_path):
+    """XLA warns only while it compiles, so ``compile_train_step`` compiles the step past JAX's
+    persistent cache: here a cache of the test's own, live (a jitted function lands in it), must
+    stay without an entry of the train step's."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    suite_cache = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    compilation_cache.reset_cache()
+    try:
+        jax.jit(lambda x: x * 3 + 1)(jnp.arange(7.0))
+        assert list(tmp_path.iterdir()), "the test's cache took no entry: the check below would prove nothing"
+        yield
+        steps = [path.name for path in tmp_path.iterdir() if path.name.startswith("jit_train_step")]
+        assert steps == [], "the train step was compiled through the persistent cache"
+    finally:
+        jax.config.update("jax_compilation_cache_dir", suite_cache)
+        compilation_cache.reset_cache()
 
 
 def test_a_data_axis_keeps_the_embedding_lookup_sharded(capfd, fresh_compiles):

@@ -29,7 +29,7 @@ from MaxText.aot.targets import TARGETS
 from MaxText.config import load_config
 from MaxText.models.accounting import memory_estimate
 from MaxText.planner.systems import SYSTEMS
-from tests.conftest import gpu_target_env, make_config
+from tests.conftest import gpu_kernel_cache, gpu_target_env, make_config
 from tools.aot_compile import read_recipe
 
 pytestmark = pytest.mark.slow  # compiles for GPU targets: `make test-fast` leaves this file out
@@ -50,13 +50,13 @@ DEVICES = 64
 GB200_RECIPE = "recipes/slurm/deepseek3-671b-gb200-nvl72.sbatch"
 
 
-def aot(*args: str, timeout: int = 600, kernel_cache: Path | None = None) -> subprocess.CompletedProcess:
+def aot(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """tools/aot_compile.py run by the interpreter that has the CUDA plugin (no skip without it:
-    the suite's make target installs it)."""
+    the suite's make target installs it), with the suite's kernel cache for its ``--target``."""
     assert Path(GPU_PYTHON).exists(), f"{GPU_PYTHON} is missing: run `make gpu-compile-deps` (make test does)"
     env = gpu_target_env()
-    if kernel_cache:
-        env["XLA_FLAGS"] = f"--xla_gpu_kernel_cache_file={kernel_cache}"
+    if "--target" in args:
+        env["XLA_FLAGS"] = f"--xla_gpu_kernel_cache_file={gpu_kernel_cache(args[args.index('--target') + 1])}"
     command = [GPU_PYTHON, str(ROOT / "tools" / "aot_compile.py"), *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
@@ -153,14 +153,6 @@ def test_the_gb200_recipes_step_does_not_slide_back(gb200_recipe_cut):
     assert cut["overlap"]["shares"]["expert exchange"]["hidden"] >= CUT_EXCHANGE_HIDDEN - 0.08
 
 
-@pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory) -> Path:
-    """XLA:GPU's kernel cache, shared by the MXFP8 test's two compiles (the same model but for its
-    GEMMs' quantization). Only a speed-up: the HLO, its schedule, buffers and thunks are decided
-    before any kernel is generated."""
-    return tmp_path_factory.mktemp("xla-gpu") / "kernels.bin"
-
-
 # The MXFP8 dispatch is the same exchange at any size: deepseek3-tiny128 (every contraction dim a
 # multiple of 128, as the 671B's) on 8 GB200 with the recipe's flags and exchange, the 1-sequence
 # settings. Both compiles run the experts in `blocked`, as mxfp8 must (tokamax takes no
@@ -184,7 +176,7 @@ TINY128_EXCHANGE = [
 ]
 
 
-def test_the_mxfp8_dispatch_moves_fp8_bytes_on_gb200(kernel_cache):
+def test_the_mxfp8_dispatch_moves_fp8_bytes_on_gb200():
     """The forward dispatch (and its rerun) moves E4M3 values and E8M0 scales as u8: the bf16
     exchanges it replaced moved 1 / 0.516 as many bytes. The rest of the exchange stays bf16 and
     the gradients are reduced as in the bf16 run (no float32 left by the FP8 GEMMs); the emulated
@@ -192,8 +184,8 @@ def test_the_mxfp8_dispatch_moves_fp8_bytes_on_gb200(kernel_cache):
     recipe's command buffers leave no loop or conditional of either step to the host: the
     blocked loops' data-dependent trip counts are decided on the device."""
     recipe = ("--recipe", GB200_RECIPE, "--target", "gb200", "--devices", "8")
-    bf16_run = _json(aot(*TINY128_EXCHANGE, *recipe, "--json", kernel_cache=kernel_cache))
-    fp8_run = _json(aot(*TINY128_EXCHANGE, "quantization=mxfp8", *recipe, "--json", kernel_cache=kernel_cache))
+    bf16_run = _json(aot(*TINY128_EXCHANGE, *recipe, "--json"))
+    fp8_run = _json(aot(*TINY128_EXCHANGE, "quantization=mxfp8", *recipe, "--json"))
     assert fp8_run["quantization"] == "mxfp8" and bf16_run["mesh"]["expert"] == 4
     assert fp8_run["choices"]["exchange_compiled"] == bf16_run["choices"]["exchange_compiled"] == "ragged_all_to_all"
     plain, fp8 = bf16_run["collectives_by_dtype"], fp8_run["collectives_by_dtype"]

@@ -184,9 +184,9 @@ print(f"restored={restored.step} data={restored.data_state} same={same}", flush=
 
 
 @pytest.mark.slow
-def test_processes_restore_the_newest_step_that_every_process_reads(tmp_path, jax_cache):
+def test_processes_restore_the_newest_step_that_every_process_reads(tmp_path):
     directory = tmp_path / "checkpoints"
-    outputs = run_processes(AGREEMENT, str(directory), jax_cache=jax_cache, devices=2)
+    outputs = run_processes(AGREEMENT, str(directory), devices=2)
     for output in outputs:
         assert "restored=1 data={'position': 11} same=True" in output, output[-2000:]
     assert f"process 1: checkpoint {directory / '2'} is unreadable" in outputs[1]

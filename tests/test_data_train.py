@@ -28,7 +28,7 @@ def run(command: list[str], env: dict) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, jax_cache) -> list[list[dict]]:
+def runs(tmp_path_factory) -> list[list[dict]]:
     work = tmp_path_factory.mktemp("text")
     corpus = work / "corpus"
     for path in [
@@ -40,7 +40,7 @@ def runs(tmp_path_factory, jax_cache) -> list[list[dict]]:
         target = corpus / path.relative_to(REPO)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(path, target)
-    env = cpu_env(1, jax_cache)
+    env = cpu_env(1)
     prepared = work / "prepared"
     tool = [sys.executable, "tools/prepare_dataset.py", "--input", str(corpus), "--output", str(prepared)]
     out = run([*tool, "--name", "docs", "--val-fraction", "0.1"], env)

@@ -37,7 +37,7 @@ class DefaultRun:
 
 
 @pytest.fixture(scope="module")
-def default_run(tmp_path_factory, jax_cache) -> DefaultRun:
+def default_run(tmp_path_factory) -> DefaultRun:
     """The README's first ``make train`` command: the Makefile's train command (checked here)
     without the install step, its arguments, a metrics line every step, into a temporary folder."""
     command, _ = quick_start()
@@ -53,7 +53,7 @@ def default_run(tmp_path_factory, jax_cache) -> DefaultRun:
         f"base_output_directory={output}",
         "run_name=default",
     ]
-    result = subprocess.run(argv, cwd=REPO, env=cpu_env(1, jax_cache), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(argv, cwd=REPO, env=cpu_env(1), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     return DefaultRun(output / "default", result)
 

@@ -242,7 +242,7 @@ def repo_paths(command: Command) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def executions(tmp_path_factory, jax_cache) -> dict[tuple[str, ...], subprocess.CompletedProcess]:
+def executions(tmp_path_factory) -> dict[tuple[str, ...], subprocess.CompletedProcess]:
     """Every runnable docs command and every named tool's ``--help``, each run once, two at a time
     (the same command written in two places runs once). Keyed by the argv after the interpreter;
     plan.py runs in a folder of its own, where ``--emit-config`` writes."""
@@ -256,7 +256,7 @@ def executions(tmp_path_factory, jax_cache) -> dict[tuple[str, ...], subprocess.
         jobs.setdefault(tuple(argv[1:]), (argv, REPO))
     argv = [sys.executable, "-m", "MaxText.train", "--help"]
     jobs.setdefault(tuple(argv[1:]), (argv, REPO))
-    env = cpu_env(1, jax_cache)
+    env = cpu_env(1)
 
     def run(job: tuple[list[str], Path]) -> subprocess.CompletedProcess:
         argv, cwd = job

@@ -25,11 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = ("dtype=float32", "per_device_batch_size=4", "enable_tensorboard=false")
 
 
-def train(jax_cache: Path, output: Path, *args: str, devices: int = 1, timeout: int = 600):
+def train(output: Path, *args: str, devices: int = 1, timeout: int = 600):
     command = [sys.executable, "-m", "MaxText.train", f"base_output_directory={output}", *args]
-    return subprocess.run(
-        command, cwd=REPO, env=cpu_env(devices, jax_cache), capture_output=True, text=True, timeout=timeout
-    )
+    return subprocess.run(command, cwd=REPO, env=cpu_env(devices), capture_output=True, text=True, timeout=timeout)
 
 
 def saved_params(checkpoint: Path) -> dict:
@@ -39,7 +37,7 @@ def saved_params(checkpoint: Path) -> dict:
 # ---------------------------------------------------------------- non-finite steps
 
 
-def test_every_update_non_finite_stops_with_exit_3_and_keeps_the_last_good_checkpoint(tmp_path, jax_cache):
+def test_every_update_non_finite_stops_with_exit_3_and_keeps_the_last_good_checkpoint(tmp_path):
     """Learning rate 1e20: the first update is finite but leaves weights whose next forward pass
     overflows; every later step is skipped, and the run stops after 3 in a row."""
     args = (
@@ -52,7 +50,7 @@ def test_every_update_non_finite_stops_with_exit_3_and_keeps_the_last_good_check
         "log_period=1",
         "learning_rate_schedule_steps=20",  # the one-step run below compiles the same step (a cache hit)
     )
-    result = train(jax_cache, tmp_path, *args, "run_name=blowup", "steps=20")
+    result = train(tmp_path, *args, "run_name=blowup", "steps=20")
     assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-2000:]
     error = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(error) == 1 and error[0].startswith("error: steps 2-4: loss or gradient norm not finite"), error
@@ -64,7 +62,7 @@ def test_every_update_non_finite_stops_with_exit_3_and_keeps_the_last_good_check
     assert read_metrics(run)[-1]["event"] == "goodput"  # the outputs are still written
 
     # The newest checkpoint holds exactly the state after step 1: that of a run that stopped there.
-    reference = train(jax_cache, tmp_path, *args, "run_name=one_step", "steps=1")
+    reference = train(tmp_path, *args, "run_name=one_step", "steps=1")
     assert reference.returncode == 0, reference.stderr[-2000:]
     kept, good = saved_params(run / "checkpoints" / "1"), saved_params(tmp_path / "one_step" / "checkpoints" / "1")
     for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(good), strict=True):
@@ -122,7 +120,7 @@ def test_a_batch_with_a_non_finite_loss_is_skipped_and_training_goes_on():
 # ---------------------------------------------------------------- loss spikes
 
 
-def prepare(corpus: Path, docs: list[str], output: Path, jax_cache: Path) -> list[str]:
+def prepare(corpus: Path, docs: list[str], output: Path) -> list[str]:
     """``docs`` as a one-file corpus prepared as dataset ``spiky``; the texts in the order a run
     without shuffling reads them (the builder orders records by a hash of their key, the file and
     line: the same for any texts)."""
@@ -131,14 +129,14 @@ def prepare(corpus: Path, docs: list[str], output: Path, jax_cache: Path) -> lis
     (corpus / "docs.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs) + "\n")
     tool = [sys.executable, "tools/prepare_dataset.py", "--input", str(corpus), "--output", str(output)]
     made = subprocess.run(
-        [*tool, "--name", "spiky", "--val-fraction", "0"], cwd=REPO, env=cpu_env(1, jax_cache), capture_output=True
+        [*tool, "--name", "spiky", "--val-fraction", "0"], cwd=REPO, env=cpu_env(1), capture_output=True
     )
     assert made.returncode == 0, made.stderr[-2000:]
     config = make_config("dataset_type=tfds", "dataset_name=spiky", f"dataset_path={output}")
     return [record["text"].decode() for record in open_records(config, "train")]
 
 
-def test_a_loss_spike_rolls_back_and_skips_its_batches(tmp_path, jax_cache):
+def test_a_loss_spike_rolls_back_and_skips_its_batches(tmp_path):
     """Short sentences of three words, except batches 30-32 (steps 31-33), which are digits the model
     never saw. Step 31 is no logging step, so its loss is read while step 32 runs: the spike rolls
     back to the step-30 checkpoint, drops the in-flight step 32 with its batch, and skips 2 batches
@@ -157,15 +155,14 @@ def test_a_loss_spike_rolls_back_and_skips_its_batches(tmp_path, jax_cache):
     corpus.mkdir()
     docs = [sentence() + str(n) for n in range(200)]  # unique; the number's bytes are cut to fit below
     docs = [d[-(length - 1) :] for d in docs]
-    order = prepare(corpus, docs, tmp_path / "first", jax_cache)
+    order = prepare(corpus, docs, tmp_path / "first")
     spiky = {docs.index(order[p]) for p in garbage}
     docs = [
         "".join(rng.choice("0123456789") for _ in range(length - 1)) if i in spiky else d for i, d in enumerate(docs)
     ]
-    order = prepare(corpus, docs, tmp_path / "prepared", jax_cache)
+    order = prepare(corpus, docs, tmp_path / "prepared")
     assert [p for p, text in enumerate(order) if text.isdigit()] == list(garbage)
     result = train(
-        jax_cache,
         tmp_path / "runs",
         *TINY,
         "run_name=spiky",
@@ -201,11 +198,10 @@ def test_a_loss_spike_rolls_back_and_skips_its_batches(tmp_path, jax_cache):
 # ---------------------------------------------------------------- profiler and goodput
 
 
-def test_profiler_trace_goodput_and_plots(tmp_path, jax_cache):
+def test_profiler_trace_goodput_and_plots(tmp_path):
     """``profiler=xplane profile_start_step=5 profile_steps=3``: a trace with the three steps'
     annotations; the wall time accounted by category; the expert-load heatmap."""
     result = train(
-        jax_cache,
         tmp_path,
         *TINY,
         "dataset_type=synthetic",
@@ -244,7 +240,7 @@ def test_profiler_trace_goodput_and_plots(tmp_path, jax_cache):
 # ---------------------------------------------------------------- pre-flight memory check
 
 
-def test_a_state_that_cannot_fit_exits_2_in_seconds(tmp_path, jax_cache):
+def test_a_state_that_cannot_fit_exits_2_in_seconds(tmp_path):
     """The README's first suggestion, ``model_name=deepseek3-small``: its train state (2.6B float32
     parameters and two Adam moments, 31.4 GB) exceeds this host's RAM, so the run stops before
     allocating anything."""
@@ -262,9 +258,7 @@ def test_a_state_that_cannot_fit_exits_2_in_seconds(tmp_path, jax_cache):
     # On a host with more RAM than that, keep it from fitting: replicate it on 8 devices sharing the RAM.
     assert 8 * state > host_available_bytes(), "a host this large needs a larger model here"
     spread = [] if state > host_available_bytes() else ["ici_fsdp_parallelism=1", "ici_data_parallelism=-1"]
-    result = train(
-        jax_cache, tmp_path, "model_name=deepseek3-small", "run_name=small", *spread, devices=8 if spread else 1
-    )
+    result = train(tmp_path, "model_name=deepseek3-small", "run_name=small", *spread, devices=8 if spread else 1)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: memory: the train state alone needs 31.4 GB per device")
@@ -272,11 +266,10 @@ def test_a_state_that_cannot_fit_exits_2_in_seconds(tmp_path, jax_cache):
     assert not (tmp_path / "small" / "checkpoints").exists()
 
 
-def test_a_step_that_cannot_fit_exits_2_with_xla_figures(tmp_path, jax_cache):
+def test_a_step_that_cannot_fit_exits_2_with_xla_figures(tmp_path):
     """The tiny model's state fits anywhere; 65,536 sequences of 4,096 per device do not: XLA's
     memory analysis of the compiled step says so before the state is created."""
     result = train(
-        jax_cache,
         tmp_path,
         "dataset_type=synthetic",
         "run_name=huge_batch",

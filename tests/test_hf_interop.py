@@ -402,9 +402,7 @@ def test_bad_checkpoints_exit_2_naming_the_problem(hf_model, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_training_continues_from_a_converted_checkpoint_and_exports_back(
-    hf_model, converted, tmp_path, jax_cache, capsys
-):
+def test_training_continues_from_a_converted_checkpoint_and_exports_back(hf_model, converted, tmp_path, capsys):
     """Convert -> train 3 steps from it -> export the run folder (its newest step) -> transformers
     matches our logits, and its tokenizer (the run's byte tokenizer) gives our ids."""
     command = [
@@ -422,7 +420,7 @@ def test_training_continues_from_a_converted_checkpoint_and_exports_back(
         "enable_tensorboard=false",
         "eval_interval=0",
     ]
-    env = cpu_env(1, jax_cache)
+    env = cpu_env(1)
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert f"parameters loaded from {converted}" in result.stdout

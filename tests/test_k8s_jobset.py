@@ -36,7 +36,7 @@ from cluster.scaled_down import STEPS, TINY_ON_TWO_CPUS
 from MaxText.config import load_config
 from MaxText.parallel.mesh import mesh_shape
 from MaxText.train.metrics import read_metrics, step_records
-from tests.conftest import TEST_XLA_FLAGS
+from tests.conftest import CACHE_ENV, TEST_XLA_FLAGS
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = sorted((REPO / "recipes" / "k8s").glob("*.yaml"))
@@ -157,7 +157,7 @@ def test_config_and_maxtext_args_reach_the_command(path, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def pods_run(tmp_path_factory, jax_cache) -> tuple[Path, list[str]]:
+def pods_run(tmp_path_factory) -> tuple[Path, list[str]]:
     """Every pod of the scaled-down JobSet, started with its rendered environment; (run dir, logs)."""
     _, _, _, container = manifest_parts()
     output = tmp_path_factory.mktemp("k8s")
@@ -167,7 +167,7 @@ def pods_run(tmp_path_factory, jax_cache) -> tuple[Path, list[str]]:
     base = {
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
         "HOME": os.environ.get("HOME", "/root"),
-        "JAX_COMPILATION_CACHE_DIR": str(jax_cache),  # the suite's shared cache: a speed-up only
+        **CACHE_ENV,  # the suite's shared compilation cache: a speed-up only
     }
     # The MAXTEXT_ARGS env entry, as a user would set it in the manifest.
     maxtext_args = " ".join((*TINY_ON_TWO_CPUS, f"base_output_directory={output}"))

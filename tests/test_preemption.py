@@ -35,13 +35,13 @@ print(f"stopped={stopped} name={watch.signal_name()}", flush=True)
 """
 
 
-def run_processes(program: str, *args: str, jax_cache: Path, devices: int = 1) -> list[str]:
+def run_processes(program: str, *args: str, devices: int = 1) -> list[str]:
     """Run ``program`` as two local processes of one JAX job (argv: coordinator address, process
     id, then ``args``), each with ``devices`` CPU devices; their outputs, once both exited 0."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
-    env = cpu_env(devices, jax_cache)
+    env = cpu_env(devices)
     processes = [
         subprocess.Popen(
             [sys.executable, "-c", program, address, str(i), *args],
@@ -61,9 +61,9 @@ def run_processes(program: str, *args: str, jax_cache: Path, devices: int = 1) -
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signalled", [0, 1, -1], ids=["process-0", "process-1", "none"])
-def test_one_process_signalled_stops_every_process_at_the_next_check(signalled, jax_cache):
+def test_one_process_signalled_stops_every_process_at_the_next_check(signalled):
     """SIGTERM before step 4 with checks every 3 steps: the check at 3 says go on, both stop at 6."""
-    outputs = run_processes(PROGRAM, str(signalled), jax_cache=jax_cache)
+    outputs = run_processes(PROGRAM, str(signalled))
     for i, output in enumerate(outputs):
         name = "SIGTERM" if i == signalled else "another process"
         expected = f"stopped=6 name={name}" if signalled >= 0 else "stopped=None name=another process"

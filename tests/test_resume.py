@@ -53,17 +53,17 @@ def corpus(tmp_path_factory) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, corpus, jax_cache) -> dict[int, float]:
+def uninterrupted(tmp_path_factory, corpus) -> dict[int, float]:
     output = tmp_path_factory.mktemp("uninterrupted")
-    finish(launch(jax_cache, output, 1, "run_name=straight", *RUN, *corpus))
+    finish(launch(output, 1, "run_name=straight", *RUN, *corpus))
     return losses(output / "straight")
 
 
-def test_stopped_then_killed_run_continues_with_identical_losses(uninterrupted, corpus, tmp_path, jax_cache):
+def test_stopped_then_killed_run_continues_with_identical_losses(uninterrupted, corpus, tmp_path):
     """One run, three starts of the same command: stopped by SIGTERM (saves, exits 0), resumed and
     killed by SIGKILL (no warning, perhaps mid-save), resumed again to the end."""
     run_dir = tmp_path / "interrupted"
-    command = (jax_cache, tmp_path, 1, "run_name=interrupted", *RUN, *corpus)
+    command = (tmp_path, 1, "run_name=interrupted", *RUN, *corpus)
 
     process = launch(*command)
     wait_for_step(run_dir, 2, process)

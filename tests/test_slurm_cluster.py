@@ -67,7 +67,7 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def submit_env(jax_cache) -> dict[str, str]:
+def submit_env() -> dict[str, str]:
     """The submitting shell's environment (sbatch passes it on to the tasks): this interpreter as
     PYTHON, the GPU image's XLA_FLAGS and the suite's (so one CPU device per process: the test
     session's 8 simulated devices are not passed on), the suite's flags again as EXTRA_XLA_FLAGS
@@ -75,7 +75,7 @@ def submit_env(jax_cache) -> dict[str, str]:
     shared compilation cache."""
     suite_flags = " ".join(TEST_XLA_FLAGS)
     xla_flags = f"{image_xla_flags()} {suite_flags}"
-    return cpu_env(1, jax_cache, XLA_FLAGS=xla_flags, EXTRA_XLA_FLAGS=suite_flags, PYTHON=sys.executable)
+    return cpu_env(1, XLA_FLAGS=xla_flags, EXTRA_XLA_FLAGS=suite_flags, PYTHON=sys.executable)
 
 
 def submit(

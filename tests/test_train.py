@@ -29,8 +29,8 @@ FP8_STEPS = 20  # the FP8 runs follow the reference for this many steps
 SAME_SCHEDULE = "learning_rate_schedule_steps=60"
 
 
-def launch(jax_cache: Path, output: Path, devices: int, *args: str, env: dict | None = None) -> subprocess.Popen:
-    environment = cpu_env(devices, jax_cache, **(env or {}))
+def launch(output: Path, devices: int, *args: str, env: dict | None = None) -> subprocess.Popen:
+    environment = cpu_env(devices, **(env or {}))
     # Synthetic data: batch n depends only on (seed, n), so runs over any device or process layout compare exactly.
     command = [
         sys.executable,
@@ -46,8 +46,8 @@ def launch(jax_cache: Path, output: Path, devices: int, *args: str, env: dict | 
     )
 
 
-def run(jax_cache: Path, output: Path, devices: int, *args: str) -> list[dict]:
-    process = launch(jax_cache, output, devices, *args)
+def run(output: Path, devices: int, *args: str) -> list[dict]:
+    process = launch(output, devices, *args)
     log, _ = process.communicate(timeout=600)
     assert process.returncode == 0, log[-3000:]
     run_name = next(a.split("=", 1)[1] for a in args if a.startswith("run_name="))
@@ -64,12 +64,10 @@ def losses(records: list[dict]) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, jax_cache) -> tuple[Path, list[dict]]:
+def reference(tmp_path_factory) -> tuple[Path, list[dict]]:
     """deepseek3-tiny, 60 steps on one device, a metrics line every step."""
     output = tmp_path_factory.mktemp("runs")
-    records = run(
-        jax_cache, output, 1, "run_name=reference", "steps=60", "log_period=1", f"per_device_batch_size={GLOBAL_BATCH}"
-    )
+    records = run(output, 1, "run_name=reference", "steps=60", "log_period=1", f"per_device_batch_size={GLOBAL_BATCH}")
     return output / "reference", records
 
 
@@ -98,7 +96,7 @@ def test_output_contract(reference):
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def test_sharded_run_matches_single_device_and_resumes_pipelined_then_on_one_device(reference, tmp_path, jax_cache):
+def test_sharded_run_matches_single_device_and_resumes_pipelined_then_on_one_device(reference, tmp_path):
     """fsdp=2 x expert=4 over 8 simulated devices, same global batch, with the embedding and the
     head split over the vocabulary, logs the single-device run's losses. Its last checkpoint then
     continues (resharded on restore) on 4 devices with the MoE stack pipelined over 2 stages x
@@ -108,7 +106,6 @@ def test_sharded_run_matches_single_device_and_resumes_pipelined_then_on_one_dev
     common = ("run_name=sharded", SAME_SCHEDULE, "log_period=1")
     want = [r["loss"] for r in reference[1]]
     records = run(
-        jax_cache,
         tmp_path,
         8,
         *common,
@@ -122,7 +119,6 @@ def test_sharded_run_matches_single_device_and_resumes_pipelined_then_on_one_dev
 
     more = 2
     records = run(
-        jax_cache,
         tmp_path,
         4,
         *common,
@@ -140,12 +136,12 @@ def test_sharded_run_matches_single_device_and_resumes_pipelined_then_on_one_dev
     assert saved["ici_pipeline_parallelism"] == 2
 
     done = COMPARE_STEPS + more
-    records = run(jax_cache, tmp_path, 1, *common, f"steps={done + more}", f"per_device_batch_size={GLOBAL_BATCH}")
+    records = run(tmp_path, 1, *common, f"steps={done + more}", f"per_device_batch_size={GLOBAL_BATCH}")
     assert [r["step"] for r in records[-more:]] == [done + 1, done + 2]
     assert [r["loss"] for r in records[-more:]] == pytest.approx(want[done : done + more], rel=1e-5)
 
 
-def test_two_processes_match_single_device(reference, tmp_path, jax_cache):
+def test_two_processes_match_single_device(reference, tmp_path):
     """Two local processes (gloo collectives), 2 devices each, form one 4-device job, saving a
     checkpoint after every step (saves once ran in a second thread, whose collectives crossed the
     next step's and crashed gloo)."""
@@ -163,7 +159,6 @@ def test_two_processes_match_single_device(reference, tmp_path, jax_cache):
     )
     processes = [
         launch(
-            jax_cache,
             tmp_path,
             2,
             *args,
@@ -182,8 +177,8 @@ def test_two_processes_match_single_device(reference, tmp_path, jax_cache):
     assert saved_steps == list(range(2, COMPARE_STEPS + 1))  # one per step, the newest 3 kept
 
 
-def test_mesh_that_does_not_fit_the_devices_exits_2(tmp_path, jax_cache):
-    process = launch(jax_cache, tmp_path, 8, "run_name=bad", "ici_fsdp_parallelism=3")
+def test_mesh_that_does_not_fit_the_devices_exits_2(tmp_path):
+    process = launch(tmp_path, 8, "run_name=bad", "ici_fsdp_parallelism=3")
     log, _ = process.communicate(timeout=300)
     assert process.returncode == 2, log
     lines = [line for line in log.strip().splitlines() if line.strip()]
@@ -191,7 +186,7 @@ def test_mesh_that_does_not_fit_the_devices_exits_2(tmp_path, jax_cache):
 
 
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "mxfp8"])
-def test_fp8_training_follows_the_unquantized_run(reference, recipe, tmp_path, jax_cache):
+def test_fp8_training_follows_the_unquantized_run(reference, recipe, tmp_path):
     """``quantization`` through the real entry point: the reference run's first 20 steps (its
     learning-rate schedule), every linear GEMM in FP8 (emulated on CPU), land within 1% of its
     loss over the last 10 of them and fall as far (the 200-step check against the report's 0.25%
@@ -199,7 +194,6 @@ def test_fp8_training_follows_the_unquantized_run(reference, recipe, tmp_path, j
     _, base = reference
     steps = FP8_STEPS
     records = run(
-        jax_cache,
         tmp_path,
         1,
         "run_name=fp8",

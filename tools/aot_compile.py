@@ -182,9 +182,6 @@ def main(argv: list[str]) -> int:
 
     config = load_config_or_exit(config_args)
     os.environ["JAX_PLATFORMS"] = "cpu"  # a GPU target's plugin must not probe for a GPU
-    # The report reads XLA's warnings and the HLO's metadata, which only a compile gives: an
-    # executable from the persistent cache brings neither (its key leaves the metadata out).
-    os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     _set_xla_flags(recipe.xla_flags, devices, args.target, config.pipeline_stages > 1)
 
     from MaxText.aot.compile import compile_train_step

@@ -23,15 +23,17 @@ also corrects for ``while`` loops, counted once by XLA's cost analysis).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import flax.linen as nn
 import jax
 import numpy as np
+from jax.experimental.compilation_cache import compilation_cache
 
 from MaxText.aot.hlo_stats import hlo_stats
 from MaxText.aot.overlap import overlap
@@ -274,14 +276,31 @@ def compile_train_step(config: Config, devices: list | None = None, target: GpuT
         return _compile(*for_gpu_compile(config), list(devices), target)
 
 
+@contextlib.contextmanager
+def _without_persistent_cache() -> Iterator[None]:
+    """The report reads XLA's warnings and the HLO's metadata, which only a compile gives: an
+    executable from JAX's persistent compilation cache brings neither (its key leaves the metadata
+    out). JAX decides once per process whether it uses the cache, so the decision is reset on the
+    way in and out."""
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
+
+
 def _compile_lowered(lowered: jax.stages.Lowered, dump_thunks: bool) -> tuple[jax.stages.Compiled, set[str] | None]:
     """The compiled program, and for a GPU target the loops and conditionals its runtime decides
     on the host (``thunks.py``, from XLA's dump of the thunk sequence; None without one)."""
-    if not dump_thunks:
-        return lowered.compile(), None
-    with tempfile.TemporaryDirectory(prefix="aot-dump-") as folder:
-        compiled = lowered.compile(compiler_options={"xla_dump_to": folder})
-        return compiled, read_dump(Path(folder))
+    with _without_persistent_cache():
+        if not dump_thunks:
+            return lowered.compile(), None
+        with tempfile.TemporaryDirectory(prefix="aot-dump-") as folder:
+            compiled = lowered.compile(compiler_options={"xla_dump_to": folder})
+            return compiled, read_dump(Path(folder))
 
 
 def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget | None):

@@ -7,7 +7,7 @@ result is the very program ``recipes/slurm/smoke.sbatch`` compiles on two tasks 
 the same batch, sequence length, dtype and learning-rate schedule; only ``steps`` is shorter).
 XLA_FLAGS are part of JAX's compilation-cache key, and the 671B recipes set the GPU image's flags,
 so the smoke runs get those flags too (``image_xla_flags``: what tasks inside the image see; inert
-on CPU). With the suite's shared JAX compilation cache (the ``jax_cache`` fixture) its two-process runs
+on CPU). With the suite's shared JAX compilation cache (tests/conftest.py) its two-process runs
 then compile the training step once: a cold run of two tasks took 37-49 CPU-seconds per
 process here, a cached single-process run about 8.
 """
