@@ -92,6 +92,7 @@ class Config(BaseModel):
     local_checkpoint_directory: str
     local_checkpoint_period: Count
     preemption_check_period: Count
+    jax_cache_dir: str
     # batch
     per_device_batch_size: Count
     max_target_length: Annotated[int, Field(ge=2)]  # inputs and targets are shifted by one

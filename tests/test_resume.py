@@ -59,13 +59,18 @@ def uninterrupted(tmp_path_factory, corpus) -> dict[int, float]:
     return losses(output / "straight")
 
 
+# The run's own compilation cache (``jax_cache_dir: auto`` without the suite's), and JAX's log of its hits.
+OWN_CACHE = {"JAX_COMPILATION_CACHE_DIR": "", "JAX_DEBUG_LOG_MODULES": "jax._src.compiler"}
+
+
 def test_stopped_then_killed_run_continues_with_identical_losses(uninterrupted, corpus, tmp_path):
     """One run, three starts of the same command: stopped by SIGTERM (saves, exits 0), resumed and
-    killed by SIGKILL (no warning, perhaps mid-save), resumed again to the end."""
+    killed by SIGKILL (no warning, perhaps mid-save), resumed again to the end. The restarts read
+    the train step from the run's compilation cache instead of compiling it again."""
     run_dir = tmp_path / "interrupted"
     command = (tmp_path, 1, "run_name=interrupted", *RUN, *corpus)
 
-    process = launch(*command)
+    process = launch(*command, env=OWN_CACHE)
     wait_for_step(run_dir, 2, process)
     process.send_signal(signal.SIGTERM)
     log = finish(process)
@@ -74,13 +79,16 @@ def test_stopped_then_killed_run_continues_with_identical_losses(uninterrupted, 
     step = int(stopped.group(1))
     assert step < STEPS and Path(stopped.group(2)) == run_dir / "checkpoints" / str(step)
     assert (run_dir / "checkpoints" / str(step) / "state").is_dir()
+    assert "Persistent compilation cache hit for 'jit_train_step'" not in log
+    assert [p for p in (run_dir / "jax_cache").iterdir() if p.name.startswith("jit_train_step")]
 
-    process = launch(*command)
+    process = launch(*command, env=OWN_CACHE)
     wait_for_step(run_dir, 8, process)
     process.send_signal(signal.SIGKILL)
     log, _ = process.communicate()
     assert process.returncode == -signal.SIGKILL
     assert f"resuming from {run_dir / 'checkpoints' / str(step)} (step {step})" in log
+    assert "Persistent compilation cache hit for 'jit_train_step'" in log
 
     log = finish(launch(*command))
     resumed_at = int(re.search(r"resuming from \S+/checkpoints/(\d+) \(step \d+\)", log).group(1))

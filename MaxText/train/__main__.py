@@ -30,8 +30,10 @@ def main(argv: list[str]) -> int:
 
     from MaxText.parallel.devices import cpu_with_gpu_warning, device_line, run_devices, visible_gpus
     from MaxText.parallel.distributed import initialize_distributed, select_platform
+    from MaxText.train.compilation_cache import use_compilation_cache
 
     select_platform(config)
+    use_compilation_cache(config)
     initialize_distributed(config)
     try:
         devices = run_devices(config)

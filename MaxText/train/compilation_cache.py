@@ -1,0 +1,35 @@
+"""JAX's persistent compilation cache for training runs (``jax_cache_dir``).
+
+A restarted run (a job requeued after a lost node, a run resumed with the same command) compiles
+the same programs again: at the 671B's size that is minutes on every restart, while the cluster
+waits. With a persistent cache the restart reads the compiled step instead. JAX writes entries from
+process 0 only and, on GPU, keys them without the device assignment, so every process of a
+multi-host job reads what process 0 wrote: the folder must be one that every process sees (by
+default the run's own output folder, on the shared filesystem in the recipes).
+"""
+
+import os
+
+import jax
+
+from MaxText.config import Config
+
+ENV_CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"  # JAX's own setting, which ``auto`` keeps
+
+
+def compilation_cache_dir(config: Config) -> str | None:
+    """The folder ``jax_cache_dir`` names: ``auto`` is JAX's own setting where the environment
+    gives one, else ``<run>/jax_cache``; "" is none."""
+    if config.jax_cache_dir == "auto":
+        return os.environ.get(ENV_CACHE_DIR) or str(config.output_dir / "jax_cache")
+    return config.jax_cache_dir or None
+
+
+def use_compilation_cache(config: Config) -> None:
+    """Point JAX at the run's compilation cache (or turn it off); before the first compile, since
+    JAX decides once per process whether it uses one."""
+    folder = compilation_cache_dir(config)
+    if folder is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+    else:
+        jax.config.update("jax_compilation_cache_dir", folder)
