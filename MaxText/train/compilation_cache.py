@@ -3,9 +3,10 @@
 A restarted run (a job requeued after a lost node, a run resumed with the same command) compiles
 the same programs again: at the 671B's size that is minutes on every restart, while the cluster
 waits. With a persistent cache the restart reads the compiled step instead. JAX writes entries from
-process 0 only and, on GPU, keys them without the device assignment, so every process of a
-multi-host job reads what process 0 wrote: the folder must be one that every process sees (by
-default the run's own output folder, on the shared filesystem in the recipes).
+process 0 only and, on GPU, keys them without the device assignment so that every process of a
+multi-host job finds what process 0 wrote (on CPU the keys differ by process): the folder must be
+one that every process sees (by default the run's own output folder, on the shared filesystem in
+the recipes).
 """
 
 import os
