@@ -10,10 +10,11 @@ Every JAX process of the suite also shares one persistent compilation cache, kep
 the suite in a user-level folder as pip keeps its downloads (``MAXTEXT_TEST_CACHE`` moves it):
 entries are keyed by the program, its XLA flags, devices and jaxlib, so a changed program compiles
 again, and the oldest entries go beyond ``CACHE_MAX_BYTES``. Compiles for GPU targets stay out of
-it (a GPU target's train step got a new key on every run); they share XLA:GPU's kernel cache
-instead (``gpu_kernel_cache``). A cached executable brings no
-compile-time warnings and the metadata of whichever compile stored it, so what reads those
-compiles past the cache (``compile_train_step`` in MaxText/aot/compile.py, for the AOT report).
+it (a GPU target's train step got a new key on every run); ``tools/aot_compile.py --target`` keeps
+XLA:GPU's kernel cache instead (``gpu_kernel_cache``, as test_aot_gpu.py passes it). A cached
+executable brings no compile-time warnings and the metadata of whichever compile stored it, so
+what reads those compiles past the cache (``compile_train_step`` in MaxText/aot/compile.py, for
+the AOT report).
 """
 
 import hashlib
@@ -24,14 +25,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 TEST_CACHE = Path(os.environ.get("MAXTEXT_TEST_CACHE", Path.home() / ".cache" / "maxtext-tests"))
+
+
+def _make_cache_folders(root: Path) -> None:
+    for name in ("jax", "xla-gpu-kernels"):
+        (root / name).mkdir(parents=True, exist_ok=True)
+
+
 try:
-    (TEST_CACHE / "jax").mkdir(parents=True, exist_ok=True)
+    _make_cache_folders(TEST_CACHE)
 except OSError:  # a home folder that cannot be written (an image's user): a temporary folder
     TEST_CACHE = Path(tempfile.gettempdir()) / "maxtext-tests"
-    (TEST_CACHE / "jax").mkdir(parents=True, exist_ok=True)
+    _make_cache_folders(TEST_CACHE)
 JAX_CACHE = TEST_CACHE / "jax"
 GPU_KERNEL_CACHE = TEST_CACHE / "xla-gpu-kernels"
-GPU_KERNEL_CACHE.mkdir(exist_ok=True)
 CACHE_MAX_BYTES = 4 << 30  # JAX's own bound (its LRU eviction) races between processes: pruned here
 KERNEL_CACHE_MAX_BYTES = 256 << 20
 
@@ -87,13 +94,16 @@ def pytest_sessionstart(session) -> None:
     before any worker starts)."""
     if hasattr(session.config, "workerinput"):
         return
-    for path in GPU_KERNEL_CACHE.iterdir():  # XLA appends to a kernel cache and never drops a kernel
-        if path.stat().st_size > KERNEL_CACHE_MAX_BYTES:
-            path.unlink(missing_ok=True)
     entries = []
     for path in (*JAX_CACHE.iterdir(), *GPU_KERNEL_CACHE.iterdir()):
         try:
-            entries.append((path, path.stat()))
+            stat = path.stat()
+            if not path.is_file():  # a folder a library keeps inside the cache: left alone
+                continue
+            if path.parent == GPU_KERNEL_CACHE and stat.st_size > KERNEL_CACHE_MAX_BYTES:
+                path.unlink()  # XLA appends to a kernel cache and never drops a kernel
+                continue
+            entries.append((path, stat))
         except OSError:  # gone meanwhile (another run pruning)
             continue
     entries.sort(key=lambda entry: entry[1].st_mtime)

@@ -384,3 +384,21 @@ def test_load_config_writes_nothing_and_starts_no_runtime(tmp_path):
     assert not out.exists(), "load_config created the output directory"
     assert list(work.iterdir()) == [], "load_config wrote into the working directory"
     assert list(Path(env["HOME"]).iterdir()) == [], "load_config wrote into HOME"
+
+
+def test_a_compilation_cache_folder_that_cannot_be_made_is_a_config_error(tmp_path, monkeypatch):
+    """``jax_cache_dir`` under a regular file: one ConfigError naming the key, before JAX is told
+    anything (JAX itself would only warn at every compile and run without a cache)."""
+    from MaxText.train.compilation_cache import compilation_cache_dir, use_compilation_cache
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    config = make_config(f"jax_cache_dir={blocker / 'cache'}")
+    with pytest.raises(ConfigError, match=r"^jax_cache_dir: cannot create .*a-file/cache"):
+        use_compilation_cache(config)
+    assert compilation_cache_dir(make_config("jax_cache_dir=")) is None
+    run = make_config(f"base_output_directory={tmp_path}", "run_name=r")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/shared/jax-cache")
+    assert compilation_cache_dir(run) == "/shared/jax-cache"  # `auto` keeps JAX's own setting
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    assert compilation_cache_dir(run) == str(tmp_path / "r" / "jax_cache")

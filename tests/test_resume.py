@@ -65,7 +65,7 @@ OWN_CACHE = {"JAX_COMPILATION_CACHE_DIR": "", "JAX_DEBUG_LOG_MODULES": "jax._src
 
 def test_stopped_then_killed_run_continues_with_identical_losses(uninterrupted, corpus, tmp_path):
     """One run, three starts of the same command: stopped by SIGTERM (saves, exits 0), resumed and
-    killed by SIGKILL (no warning, perhaps mid-save), resumed again to the end. The restarts read
+    killed by SIGKILL (no warning, perhaps mid-save), resumed again to the end. Both restarts read
     the train step from the run's compilation cache instead of compiling it again."""
     run_dir = tmp_path / "interrupted"
     command = (tmp_path, 1, "run_name=interrupted", *RUN, *corpus)
@@ -90,7 +90,8 @@ def test_stopped_then_killed_run_continues_with_identical_losses(uninterrupted, 
     assert f"resuming from {run_dir / 'checkpoints' / str(step)} (step {step})" in log
     assert "Persistent compilation cache hit for 'jit_train_step'" in log
 
-    log = finish(launch(*command))
+    log = finish(launch(*command, env=OWN_CACHE))
+    assert "Persistent compilation cache hit for 'jit_train_step'" in log
     resumed_at = int(re.search(r"resuming from \S+/checkpoints/(\d+) \(step \d+\)", log).group(1))
     assert step <= resumed_at < STEPS  # a save the kill interrupted is not used
     assert losses(run_dir) == uninterrupted

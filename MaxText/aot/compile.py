@@ -281,7 +281,7 @@ def _without_persistent_cache() -> Iterator[None]:
     """The report reads XLA's warnings and the HLO's metadata, which only a compile gives: an
     executable from JAX's persistent compilation cache brings neither (its key leaves the metadata
     out). JAX decides once per process whether it uses the cache, so the decision is reset on the
-    way in and out."""
+    way in and out: a switch of the whole process, not safe beside another thread's compiles."""
     enabled = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     compilation_cache.reset_cache()

@@ -33,9 +33,9 @@ def main(argv: list[str]) -> int:
     from MaxText.train.compilation_cache import use_compilation_cache
 
     select_platform(config)
-    use_compilation_cache(config)
     initialize_distributed(config)
     try:
+        use_compilation_cache(config)
         devices = run_devices(config)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

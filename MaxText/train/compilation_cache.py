@@ -10,10 +10,11 @@ the recipes).
 """
 
 import os
+from pathlib import Path
 
 import jax
 
-from MaxText.config import Config
+from MaxText.config import Config, ConfigError
 
 ENV_CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"  # JAX's own setting, which ``auto`` keeps
 
@@ -28,9 +29,15 @@ def compilation_cache_dir(config: Config) -> str | None:
 
 def use_compilation_cache(config: Config) -> None:
     """Point JAX at the run's compilation cache (or turn it off); before the first compile, since
-    JAX decides once per process whether it uses one."""
+    JAX decides once per process whether it uses one. A local folder that cannot be made is a
+    ``ConfigError`` (JAX would only warn at each compile and run without it)."""
     folder = compilation_cache_dir(config)
     if folder is None:
         jax.config.update("jax_enable_compilation_cache", False)
-    else:
-        jax.config.update("jax_compilation_cache_dir", folder)
+        return
+    if "://" not in folder:  # remote storage (gs://...) is JAX's to open
+        try:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"jax_cache_dir: cannot create {folder}: {err.strerror}") from None
+    jax.config.update("jax_compilation_cache_dir", folder)
