@@ -513,8 +513,11 @@ def _check_known(layer: dict[str, Any], known: set[str], source: str) -> None:
 
 def _parse_value(key: str, text: str) -> Any:
     """YAML-parse a command-line value, except for string keys, which keep the text as typed
-    (so ``run_name=123`` stays the string "123")."""
+    (so ``run_name=123`` stays the string "123"), less quotes around the whole of it: a shell
+    removes them from ``key=""``, but not when it splits a variable (the recipes' ``MAXTEXT_ARGS``)."""
     field = Config.model_fields.get(key)
+    if field is not None and field.annotation is str and len(text) >= 2 and text[0] == text[-1] in "\"'":
+        return text[1:-1]
     if not text or (field is not None and field.annotation is str):
         return text
     try:

@@ -256,6 +256,9 @@ ACCEPTED = {
     "rope_factor=1": 1.0,
     "steps=0": 0,
     "run_name=1e-4": "1e-4",  # string keys keep the text
+    'jax_cache_dir=""': "",  # as a recipe's MAXTEXT_ARGS passes it (split without a shell's quote removal)
+    "run_name='my run'": "my run",
+    'run_name="x': '"x',  # not a quoted whole
 }
 
 
