@@ -516,9 +516,10 @@ def _parse_value(key: str, text: str) -> Any:
     (so ``run_name=123`` stays the string "123"), less quotes around the whole of it: a shell
     removes them from ``key=""``, but not when it splits a variable (the recipes' ``MAXTEXT_ARGS``)."""
     field = Config.model_fields.get(key)
-    if field is not None and field.annotation is str and len(text) >= 2 and text[0] == text[-1] in "\"'":
+    is_text = field is not None and field.annotation is str
+    if is_text and len(text) >= 2 and text[0] == text[-1] in "\"'":
         return text[1:-1]
-    if not text or (field is not None and field.annotation is str):
+    if not text or is_text:
         return text
     try:
         return yaml.load(text, Loader=_Yaml)

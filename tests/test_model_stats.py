@@ -173,13 +173,12 @@ def test_table_lists_every_section(capsys):
 def test_counts_of_the_train_states_shapes_equal_the_traced_counts(model):
     """The training loop counts its FLOPs from the abstract train state it already built (one trace
     of the model fewer at start-up): the same counts as ``count_parameters``' own trace."""
-    from MaxText.moe.block import BIAS
     from MaxText.parallel.mesh import make_mesh
     from MaxText.train.optimizer import make_optimizer
     from MaxText.train.state import abstract_train_state
 
     config = make_config("ici_fsdp_parallelism=8", model=model)
     abstract = abstract_train_state(DeepSeekV3(config), config, make_optimizer(config), make_mesh(config))
-    counts = accounting.count_parameters_of(config, {"params": abstract.params, BIAS: abstract.moe_bias})
+    counts = accounting.count_parameters_of(config, abstract.variables)
     assert counts == accounting.count_parameters(config)
     assert accounting.train_flops_per_token(config, counts) == accounting.train_flops_per_token(config)

@@ -61,6 +61,7 @@ def uninterrupted(tmp_path_factory, corpus) -> dict[int, float]:
 
 # The run's own compilation cache (``jax_cache_dir: auto`` without the suite's), and JAX's log of its hits.
 OWN_CACHE = {"JAX_COMPILATION_CACHE_DIR": "", "JAX_DEBUG_LOG_MODULES": "jax._src.compiler"}
+STEP_FROM_CACHE = "Persistent compilation cache hit for 'jit_train_step'"
 
 
 def test_stopped_then_killed_run_continues_with_identical_losses(uninterrupted, corpus, tmp_path):
@@ -79,7 +80,7 @@ def test_stopped_then_killed_run_continues_with_identical_losses(uninterrupted, 
     step = int(stopped.group(1))
     assert step < STEPS and Path(stopped.group(2)) == run_dir / "checkpoints" / str(step)
     assert (run_dir / "checkpoints" / str(step) / "state").is_dir()
-    assert "Persistent compilation cache hit for 'jit_train_step'" not in log
+    assert STEP_FROM_CACHE not in log
     assert [p for p in (run_dir / "jax_cache").iterdir() if p.name.startswith("jit_train_step")]
 
     process = launch(*command, env=OWN_CACHE)
@@ -88,10 +89,10 @@ def test_stopped_then_killed_run_continues_with_identical_losses(uninterrupted, 
     log, _ = process.communicate()
     assert process.returncode == -signal.SIGKILL
     assert f"resuming from {run_dir / 'checkpoints' / str(step)} (step {step})" in log
-    assert "Persistent compilation cache hit for 'jit_train_step'" in log
+    assert STEP_FROM_CACHE in log
 
     log = finish(launch(*command, env=OWN_CACHE))
-    assert "Persistent compilation cache hit for 'jit_train_step'" in log
+    assert STEP_FROM_CACHE in log
     resumed_at = int(re.search(r"resuming from \S+/checkpoints/(\d+) \(step \d+\)", log).group(1))
     assert step <= resumed_at < STEPS  # a save the kill interrupted is not used
     assert losses(run_dir) == uninterrupted

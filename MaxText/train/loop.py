@@ -36,7 +36,6 @@ from MaxText.data.types import DataSource
 from MaxText.layers.attention_ops import check_attention
 from MaxText.models.accounting import count_parameters_of, train_flops_per_token
 from MaxText.models.deepseek import DeepSeekV3
-from MaxText.moe.block import BIAS
 from MaxText.moe.experts import check_backend, moe_context
 from MaxText.parallel.distributed import wait_for_every_process
 from MaxText.parallel.mesh import make_mesh
@@ -209,7 +208,7 @@ def train(config: Config) -> RunResult:
             eval_start = eval_data.get_state()
             eval_fn = jax.jit(make_eval_step(model, config), in_shardings=(state_shardings, batch_shards))
         tokens_per_step = global_batch * config.max_target_length
-        counts = count_parameters_of(config, {"params": abstract.params, BIAS: abstract.moe_bias})
+        counts = count_parameters_of(config, abstract.variables)
         flops_per_token = train_flops_per_token(config, counts)
         peak = peak_tflops(topology["device_kind"], config.dtype)
         writer = MetricsWriter(output_dir, config.enable_tensorboard) if is_writer else None

@@ -28,6 +28,11 @@ class TrainState:
     moe_bias: Any  # router score-correction biases; updated from expert loads, not gradients
     opt_state: Any
 
+    @property
+    def variables(self) -> dict[str, Any]:
+        """The model's variables, ``{"params": ..., BIAS: ...}``, as the model and the accounting read them."""
+        return {"params": self.params, BIAS: self.moe_bias}
+
 
 class StateSetup(NamedTuple):
     state: TrainState
