@@ -167,7 +167,7 @@ class Config(BaseModel):
     moe_matmul: Literal["auto", "tokamax", "blocked", "ragged_dot", "te"]
     moe_block_rows: Count
     moe_min_block_rows: Count
-    moe_ep_comm: Literal["auto", "allgather", "all_to_all", "ragged_all_to_all", "te"]
+    moe_ep_comm: Literal["auto", "allgather", "all_to_all", "ragged_all_to_all", "hierarchical", "te"]
     moe_ep_buffer_factor: Positive
     moe_exchange_chunks: Count
     routed_score_func: Literal["sigmoid", "softmax"]

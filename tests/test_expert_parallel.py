@@ -36,8 +36,16 @@ import pytest
 
 from MaxText.config import ConfigError
 from MaxText.moe import dispatch
+from MaxText.moe import expert_parallel as exchange_module
 from MaxText.moe.block import MoEBlock
-from MaxText.moe.expert_parallel import exchange_buffer_bytes, exchange_plan, exchange_token_axes
+from MaxText.moe.expert_parallel import (
+    ExchangePlan,
+    HopSizes,
+    exchange_buffer_bytes,
+    exchange_plan,
+    exchange_token_axes,
+    two_hop_sizes,
+)
 from MaxText.moe.experts import check_backend
 from MaxText.moe.te_exchange import rank_tokens
 from MaxText.parallel.mesh import make_mesh
@@ -66,20 +74,31 @@ def routing_bias(kind: str, num_experts: int) -> np.ndarray:
     return np.random.default_rng(3).standard_normal(num_experts) * 0.05
 
 
-def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
-    """On device ``me``: from every source s, rows ``[input_offsets_s[me], + send_sizes_s[me])`` of
-    s's operand land at ``output_offsets_s[me]`` of ``me``'s output; ``me`` expects ``recv_sizes[s]``
-    of them (a receiver expecting fewer loses the rest, so inconsistent sizes fail the test)."""
+def emulated_ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, axis_index_groups=None
+):
+    """On device ``me``: from every source s of its group, rows ``[input_offsets_s[i], +
+    send_sizes_s[i])`` of s's operand land at ``output_offsets_s[i]`` of ``me``'s output, ``i``
+    being ``me``'s place in the group; ``me`` expects ``recv_sizes[j]`` of them from the group's
+    j-th device (a receiver expecting fewer loses the rest, so inconsistent sizes fail the test)."""
     me = jax.lax.axis_index(axis_name)
-    operands = jax.lax.all_gather(operand, axis_name)  # [ep, N, ...]
+    n = jax.lax.axis_size(axis_name)
+    groups = np.asarray(axis_index_groups if axis_index_groups is not None else [list(range(n))])
+    group_of, place_of = np.zeros(n, np.int32), np.zeros(n, np.int32)
+    for g, members in enumerate(groups):
+        group_of[members], place_of[members] = g, np.arange(len(members))
+    members = jnp.asarray(groups)[jnp.asarray(group_of)[me]]  # my group's devices, in order
+    place = jnp.asarray(place_of)[me]
+    operands = jax.lax.all_gather(operand, axis_name)  # [n, N, ...]
     starts, sizes, targets = (
-        jax.lax.all_gather(a, axis_name)[:, me] for a in (input_offsets, send_sizes, output_offsets)
+        jax.lax.all_gather(a, axis_name)[:, place] for a in (input_offsets, send_sizes, output_offsets)
     )
     rows = jnp.arange(output.shape[0])
-    for s in range(operands.shape[0]):
-        j = rows - targets[s]
-        arrives = (j >= 0) & (j < jnp.minimum(sizes[s], recv_sizes[s]))
-        source_rows = operands[s][jnp.clip(starts[s] + j, 0, operand.shape[0] - 1)]
+    for j in range(groups.shape[1]):
+        s = members[j]
+        k = rows - targets[s]
+        arrives = (k >= 0) & (k < jnp.minimum(sizes[s], recv_sizes[j]))
+        source_rows = operands[s][jnp.clip(starts[s] + k, 0, operand.shape[0] - 1)]
         output = jnp.where(arrives.reshape(-1, *([1] * (output.ndim - 1))), source_rows, output)
     return output
 
@@ -99,7 +118,8 @@ def one_device(backend: str):
 @functools.cache
 def compiled(backend: str, exchange: str, *overrides: str):
     """(config, params, one-device step, expert-parallel step), compiled once per case."""
-    config = backend_config(backend, f"moe_ep_comm={exchange}", *(overrides or MESH))
+    keys = [o for o in overrides if o != RAGGED_ACROSS_NODES]
+    config = backend_config(backend, f"moe_ep_comm={exchange}", *(keys or MESH))
     fn = partial(block_and_grads, config)
     mesh = make_mesh(config, jax.devices())
     params, reference = one_device(backend)
@@ -114,6 +134,11 @@ def compiled(backend: str, exchange: str, *overrides: str):
                 assert "shard_map" in jaxpr  # the expert-parallel path is taken
                 # The group agrees on its fullest pair (a pmax) only where C < T makes overflow rounds possible.
                 assert ("pmax" in jaxpr) == (config.moe_ep_buffer_factor < 1)
+                if exchange == "hierarchical":  # across nodes (one device of each), then inside each
+                    M, L = config.dcn_expert_parallelism, config.ici_expert_parallelism
+                    across = tuple(tuple(range(p, M * L, L)) for p in range(L))
+                    inside = tuple(tuple(range(m * L, (m + 1) * L)) for m in range(M))
+                    assert f"axis_index_groups={across}" in jaxpr and f"axis_index_groups={inside}" in jaxpr
                 checked = True
             return jitted(*args)
 
@@ -126,6 +151,11 @@ def compiled(backend: str, exchange: str, *overrides: str):
 SMALL_BUFFERS = (*MESH, "moe_ep_buffer_factor=0.5")
 SMALLER_BUFFERS = (*MESH, "moe_ep_buffer_factor=0.25")
 TENSOR_MESH = ("ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "ici_tensor_parallelism=2")
+NODE_MESH = ("ici_fsdp_parallelism=2", "dcn_expert_parallelism=2", "ici_expert_parallelism=2")
+NODES_OF_4 = ("ici_fsdp_parallelism=1", "dcn_expert_parallelism=2", "ici_expert_parallelism=4")
+# Not a config key: the case traces the two-hop exchange as for a GPU, whose hop across nodes
+# moves packed rows by ragged_all_to_all (emulated here).
+RAGGED_ACROSS_NODES = "ragged-across-nodes"
 CASES = [
     ("blocked", "allgather"),
     ("ragged_dot", "allgather"),
@@ -136,8 +166,15 @@ CASES = [
     ("blocked", "all_to_all", *TENSOR_MESH, "moe_ep_buffer_factor=0.5"),  # C = 4 of 8: overflows too
     # Two chunks of 4 tokens per device, each exchanged on its own: C = 2, 2 rounds per chunk.
     ("ragged_dot", "ragged_all_to_all", *SMALL_BUFFERS, "moe_exchange_chunks=2"),
+    # Two hops: over 2 nodes of 2 devices (and fsdp 2), one round each with the default buffers;
+    # over 2 nodes of 4, factor 1/4 gives 4 rounds across nodes and 2 inside them, and factor 1/2
+    # 2 rounds on each hop, moving the rows across nodes as a GPU does (packed, ragged_all_to_all).
+    ("blocked", "hierarchical", *NODE_MESH),
+    ("ragged_dot", "hierarchical", *NODES_OF_4, "moe_ep_buffer_factor=0.25"),
+    ("ragged_dot", "hierarchical", *NODES_OF_4, "moe_ep_buffer_factor=0.5", RAGGED_ACROSS_NODES),
 ]
 SUFFIXES = (
+    (RAGGED_ACROSS_NODES, "-ragged_across_nodes"),
     (TENSOR_MESH[-1], "-tensor"),
     (SMALL_BUFFERS[-1], "-small_buffers"),
     (SMALLER_BUFFERS[-1], "-smaller_buffers"),
@@ -156,8 +193,10 @@ IDS = [
 def test_expert_parallel_matches_one_device(kind, case, monkeypatch):
     backend, exchange, *overrides = case
     monkeypatch.setattr(dispatch, "UNROLL_ROUNDS", True)
-    if exchange == "ragged_all_to_all":
+    if exchange == "ragged_all_to_all" or RAGGED_ACROSS_NODES in overrides:
         monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+    if RAGGED_ACROSS_NODES in overrides:
+        monkeypatch.setattr(exchange_module, "trace_platform", lambda: "gpu")
     config, params, one_device, expert_parallel = compiled(backend, exchange, *overrides)
     x = jnp.asarray(np.random.default_rng(7).standard_normal((B, S, config.emb_dim)), jnp.float32)
     bias = jnp.asarray(routing_bias(kind, config.num_experts), jnp.float32)
@@ -221,6 +260,65 @@ def test_exchange_buffer_bytes_by_hand():
     assert gathered["buffer_bytes"] == gathered["worst_case_bytes"] == 4 * 64 * 4096 * D * bf16
     with pytest.raises(ValueError, match="te"):
         exchange_buffer_bytes(config, T, ep, "te")
+
+
+def test_two_hop_sizes_by_hand():
+    """DeepSeek-V3 671B on ep 64 as 8 nodes of 8 GPUs, 4,096 tokens per device, factor 2. A node's
+    32 experts are one routing group and a token takes its 8 experts from 4 of the 8 groups, so it
+    reaches at most 4 nodes: the hop across nodes packs 4 rows per token, and its pairs carry
+    C1 = 2 x 4,096 x 4 / 8 = 4,096 = T rows (one round). Inside a node a device computes 4,096 x 8
+    copies when balanced, so a pair carries C2 = 2 x 32,768 / 8 = 8,192 rows a round: 4 rounds
+    for the 8 x 4,096 received rows that can hold a token."""
+    config = make_config("dtype=bfloat16", model="deepseek3-671b")
+    across, inside = two_hop_sizes(config, 4096, 64, 8)
+    assert across == HopSizes(ExchangePlan(4096, 1), destinations=4, experts_per_device=32, capacity=65536)
+    assert inside == HopSizes(ExchangePlan(8192, 4), destinations=8, experts_per_device=4, capacity=65536)
+    # Groups that straddle nodes (4 groups of 64 experts, 2 nodes each) bound nothing: min(K, nodes).
+    straddling = make_config("dtype=bfloat16", "n_routing_groups=4", "topk_routing_group=1", model="deepseek3-671b")
+    assert two_hop_sizes(straddling, 4096, 64, 8)[0].destinations == 8
+    # Packed rows out and slots in across nodes (and back, and the gradients); slots inside.
+    D, bf16 = 7168, 2
+    rows = 4 * (4096 * 4 + 1) + 4 * 8 * 4097 + 8 * 8 * 8193
+    assert exchange_buffer_bytes(config, 4096, 64, "hierarchical", 8)["buffer_bytes"] == rows * D * bf16  # 10.34 GB
+    # One node, or one device per node: the one-hop ragged exchange.
+    for per_node in (1, 64):
+        assert exchange_buffer_bytes(config, 4096, 64, "hierarchical", per_node) == exchange_buffer_bytes(
+            config, 4096, 64, "ragged_all_to_all"
+        )
+    # The CPU cases above: 8 tokens per device, top-4 of 16 experts, 2 nodes of 4 devices; a node's
+    # 8 experts are 2 of the 4 groups and a token takes 2 groups, so it reaches at most 2 nodes.
+    nodes_of_4 = make_config(*NODES_OF_4)
+    sizes = {f: two_hop_sizes(nodes_of_4.model_copy(update={"moe_ep_buffer_factor": f}), 8, 8, 4) for f in (0.25, 0.5)}
+    assert [(a.plan, b.plan) for a, b in sizes.values()] == [((2, 4), (2, 2)), ((4, 2), (4, 2))]
+
+
+def test_two_hop_sends_a_token_once_per_remote_node_as_the_planner_counts():
+    """DeepSeek-V3's routing (256 experts, top-8 from the best 4 of 8 groups) of the repository's
+    router on balanced random scores, EP64 as 8 nodes of 8, each token starting on any device:
+    the hop across nodes sends a token once to each other node its experts reach, 3.47 rows per
+    token, the planner's count (``routing.remote_domains``, from its own sample) within 5%. The
+    one-hop exchange sends a row per remote device, up to 7 of the 8 copies."""
+    from MaxText.moe.expert_parallel import _routes
+    from MaxText.moe.router import route
+    from MaxText.planner.routing import remote_domains
+
+    config = make_config(model="deepseek3-671b")
+    E, K, T = config.num_experts, config.num_experts_per_tok, 8192
+    logits = jax.random.normal(jax.random.key(11), (T, E))
+    experts_TK = route(logits, jnp.zeros(E), config).experts_TK
+    origin_T = np.arange(T) % 64  # the device each token starts on
+
+    def rows_to_other_nodes(destinations: int, experts_per_destination: int, node_of) -> float:
+        send_Td = np.asarray(_routes(experts_TK, experts_per_destination, destinations, ExchangePlan(T, 1)).send_Td)
+        remote_d = node_of(np.arange(destinations))[None, :] != (origin_T // 8)[:, None]
+        return float((send_Td & remote_d).sum() / T)
+
+    across = rows_to_other_nodes(8, 32, lambda node: node)
+    planned = remote_domains(E, K, config.n_routing_groups, config.topk_routing_group, 8, config.routed_score_func)
+    assert planned == pytest.approx(3.47, abs=0.01)
+    assert across == pytest.approx(planned, rel=0.05)
+    one_hop = rows_to_other_nodes(64, 4, lambda device: device // 8)
+    assert 6.5 < one_hop <= 7.0 and across / one_hop < 0.55
 
 
 def test_tokens_are_split_over_tensor_inside_the_exchange():

@@ -235,12 +235,13 @@ def test_search_winner_is_legal_for_the_repository(v3):
         ("recipes/slurm/deepseek3-671b-gb200-nvl72.sbatch", "gb200-nvl72"),
         ("recipes/k8s/deepseek3-671b-gb300-nvl72.yaml", "gb300-nvl72"),
         ("recipes/k8s/deepseek3-671b-gb300-nvl72-1rack.yaml", "gb300-nvl72"),
+        ("recipes/slurm/deepseek3-671b-h100.sbatch", "h100"),
     ],
 )
 def test_recipes_run_a_layout_the_planner_ranks_near_its_best(recipe, system):
     """The planner ranks each 671B recipe's layout (mesh, micro-batch, remat) within 5% of its best
     for the recipe's system, size and global batch, and the layout fits (the stack the recipes are
-    compiled with, ``xla``; no pipelining; the recipe's own model: MTP on). The planner's top
+    compiled with, ``xla``, with the recipe's exchange; no pipelining; the recipe's own model: MTP on). The planner's top
     layouts lie closer together than its accuracy (calibration: 15%), so a recipe keeps a layout
     whose XLA:GPU compile is measured (recipes/README.md) rather than following every reordering
     of near-equal layouts."""
@@ -250,8 +251,9 @@ def test_recipes_run_a_layout_the_planner_ranks_near_its_best(recipe, system):
     config = load_config(args).with_platform("gpu")
     spec, hardware = from_config(config), SYSTEMS[system]
     layout = plan._layout_from_config(config, gpus, config.remat_policy, None)
-    ours = estimate(spec, layout, hardware, XLA)
-    best = search(spec, hardware, XLA, gpus, layout.gbs).ranked[0]
+    stack = replace(XLA, exchange="hierarchical") if config.moe_ep_comm == "hierarchical" else XLA
+    ours = estimate(spec, layout, hardware, stack)
+    best = search(spec, hardware, stack, gpus, layout.gbs).ranked[0]
     assert ours.fits, ours.memory
     assert ours.tflops >= 0.95 * best.tflops, (layout.describe(), best.layout.describe())
 
@@ -302,7 +304,10 @@ def test_cli_costs_a_named_layout(capsys):
 
 def test_cli_exchange_what_if(capsys):
     """``--exchange`` re-costs the stack's exchange: across 8-GPU nodes a hierarchical one moves
-    fewer network bytes; nothing else changes."""
+    fewer network bytes, and holds the two-hop exchange's buffers (the hop inside a node has slots
+    for the forwarded rows: ``exchange_buffer_bytes``); the state and activations stay."""
+    from MaxText.moe.expert_parallel import exchange_buffer_bytes
+
     layout = ["model_name=deepseek3-tiny", "ici_expert_parallelism=8", "dcn_expert_parallelism=2"]
     costed = {}
     for exchange in ("all_to_all", "hierarchical"):
@@ -311,7 +316,15 @@ def test_cli_exchange_what_if(capsys):
     flat, tiered = (costed[k]["collectives"][0] for k in ("all_to_all", "hierarchical"))
     assert flat["name"] == tiered["name"] == "dispatch/combine"
     assert 0 < tiered["network_gb"] < flat["network_gb"]
-    assert costed["hierarchical"]["memory_gb"] == costed["all_to_all"]["memory_gb"]
+    flat_memory, tiered_memory = (costed[k]["memory_gb"] for k in ("all_to_all", "hierarchical"))
+    assert tiered_memory["state"] == flat_memory["state"] and tiered_memory["activations"] == flat_memory["activations"]
+    config = make_config("dtype=bfloat16", *layout[1:])
+    tokens = config.per_device_batch_size * config.max_target_length
+    added = [
+        exchange_buffer_bytes(config, tokens, 16, e, per_node=8)["buffer_bytes"]
+        for e in ("ragged_all_to_all", "hierarchical")
+    ]
+    assert tiered_memory["buffers"] - flat_memory["buffers"] == pytest.approx((added[1] - added[0]) / 1e9)
 
 
 @pytest.mark.parametrize(

@@ -75,10 +75,15 @@ def _exported(text: str) -> set[str]:
 def test_recipes_are_shipped():
     assert [p.name for p in SBATCH] == [
         "deepseek3-671b-gb200-nvl72.sbatch",
+        "deepseek3-671b-h100.sbatch",
         "deepseek3-small-1gpu.sbatch",
         "smoke.sbatch",
     ]
-    assert [p.name for p in GPU_SBATCH] == ["deepseek3-671b-gb200-nvl72.sbatch", "deepseek3-small-1gpu.sbatch"]
+    assert [p.name for p in GPU_SBATCH] == [
+        "deepseek3-671b-gb200-nvl72.sbatch",
+        "deepseek3-671b-h100.sbatch",
+        "deepseek3-small-1gpu.sbatch",
+    ]
     assert [p.name for p in K8S] == ["deepseek3-671b-gb300-nvl72-1rack.yaml", "deepseek3-671b-gb300-nvl72.yaml"]
 
 
@@ -102,14 +107,15 @@ def test_sbatch_layout_validates_and_fills_its_gpus(path):
     opts = _sbatch_options(text)
     nodes, tasks_per_node = int(opts["nodes"]), int(opts["ntasks-per-node"])
     assert opts["gpus-per-task"] == "1", "one process per GPU"
-    assert tasks_per_node <= 4, "GB200/GB300 compute trays have 4 GPUs"
     gpus = _sbatch_gpus(opts)
-    if nodes > 1:
+    if "segment" in opts:  # NVL72 racks: trays of 4 GPUs, placed in whole NVLink domains
+        assert tasks_per_node <= 4, "GB200/GB300 compute trays have 4 GPUs"
         segment = int(opts["segment"])
         assert nodes % segment == 0 and segment * tasks_per_node <= NVL72_GPUS
         domain_gpus = segment * tasks_per_node
-    else:
-        domain_gpus = gpus
+    else:  # 8-GPU nodes (HGX H100/H200/B200): a node is the NVLink domain
+        assert tasks_per_node <= 8, "HGX nodes have 8 GPUs"
+        domain_gpus = tasks_per_node
     _check_layout(_train_args(text), gpus, domain_gpus)
 
 

@@ -154,6 +154,37 @@ def test_gb200_recipe_file_runs_scaled_down(recipe_run):
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, SMOKE_STEPS + 1))
 
 
+# The H100 recipe's two-hop exchange across the two tasks: each task a "node" of 2 CPU devices.
+TWO_NODES_OF_TWO = (
+    "ici_data_parallelism=1",
+    "ici_expert_parallelism=2",
+    "dcn_expert_parallelism=2",
+    "moe_ep_comm=hierarchical",
+)
+
+
+def test_h100_recipe_file_runs_its_two_hop_exchange_across_tasks(cluster, submit_env, tmp_path):
+    """The 256-H100 recipe on two CPU tasks of 2 devices each, its expert axis 2 inside a task x 2
+    across them: the two-hop exchange's hop across nodes runs between the processes (XLA:CPU's
+    collectives over gloo), the hop inside a node within each; the loss falls as in every run."""
+    recipe = SLURM / "deepseek3-671b-h100.sbatch"
+    env = {**submit_env, "EXTRA_XLA_FLAGS": f"{submit_env['EXTRA_XLA_FLAGS']} --xla_force_host_platform_device_count=2"}
+    output = tmp_path / "outputs"
+    args = (*TINY_ON_TWO_CPUS, *TWO_NODES_OF_TWO, f"steps={SMOKE_STEPS}")
+    log = finish(cluster, submit(cluster, env, recipe, output, *TWO_CPU_TASKS, args=args), output)
+    run_name = re.search(r"^\s*run_name=(\S+)$", recipe.read_text(), re.M).group(1)
+    config, topology = runtime(output / run_name)
+    assert (topology["num_processes"], topology["num_devices"]) == (2, 4), log[-2000:]
+    assert (config["moe_ep_comm"], config["ici_expert_parallelism"], config["dcn_expert_parallelism"]) == (
+        "hierarchical",
+        2,
+        2,
+    )
+    steps = losses(output / run_name)
+    assert sorted(steps) == list(range(1, SMOKE_STEPS + 1))
+    assert steps[SMOKE_STEPS] < steps[1]
+
+
 # ---------------------------------------------------------------- a plan, through CONFIG
 
 

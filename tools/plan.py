@@ -172,8 +172,8 @@ def run(args: argparse.Namespace) -> dict:
     config = load_config(["run_name=plan", *args.config]).with_platform("gpu")
     spec = qwen3_235b(args.seq) if args.arch else from_config(config)
     system, stack = SYSTEMS[args.system], STACKS[args.stack]
-    if args.exchange or config.moe_ep_comm == "allgather":
-        stack = replace(stack, exchange=args.exchange or "allgather")
+    if args.exchange or config.moe_ep_comm in ("allgather", "hierarchical"):  # the config's own exchange
+        stack = replace(stack, exchange=args.exchange or config.moe_ep_comm)
     remat = args.remat or config.remat_policy
     gbs = args.gbs or config.global_batch_size(args.gpus)
     named = any("_parallelism" in a for a in args.config if "=" in a) or any(

@@ -45,12 +45,13 @@ from MaxText.layers.attention_ops import ATTENTION_SCOPE, resolve_attention
 from MaxText.models.accounting import count_parameters, train_flops
 from MaxText.models.deepseek import DeepSeekV3
 from MaxText.moe.blocked import level_rows
-from MaxText.moe.expert_parallel import expert_axis
+from MaxText.moe.expert_parallel import devices_per_node, expert_axis
 from MaxText.moe.experts import EXPERTS_SCOPE, config_backend, moe_context, resolve_exchange
 from MaxText.parallel.mesh import make_mesh
 from MaxText.parallel.pipeline import bubble_fraction
 from MaxText.parallel.platform import compiling_for
 from MaxText.parallel.sharding import axis_rules, batch_sharding
+from MaxText.planner.routing import expected_domains
 from MaxText.quantization.quantize import check_quantization
 from MaxText.train.optimizer import make_optimizer
 from MaxText.train.preflight import abstract_batch, compiled_memory
@@ -259,10 +260,24 @@ def balanced_expert_rows(config: Config, tokens_per_device: int) -> Callable[[in
     return lambda rows: min(rows, copies)
 
 
-def ragged_rows(config: Config, tokens_per_device: int, ep: int) -> int:
+def ragged_rows(config: Config, tokens_per_device: int, ep: int, exchange: str = "ragged_all_to_all") -> int:
     """The rows a ragged exchange moves per device under balanced routing: each token once to each
-    of up to ``min(K, ep)`` devices (out into the slots, and back into the packed layout)."""
-    return tokens_per_device * min(config.num_experts_per_tok, ep)
+    of up to ``min(K, ep)`` devices (out into the slots, and back into the packed layout). In the
+    two-hop exchange only the hop across nodes is ragged: each token once to each node its
+    experts reach, as many as the repository's router reaches on balanced scores
+    (``planner/routing.py``)."""
+    per_node = devices_per_node(config, ep)
+    if exchange != "hierarchical" or per_node in (1, ep):
+        return tokens_per_device * min(config.num_experts_per_tok, ep)
+    reached = expected_domains(
+        config.num_experts,
+        config.num_experts_per_tok,
+        config.n_routing_groups,
+        config.topk_routing_group,
+        ep // per_node,
+        config.routed_score_func,
+    )
+    return round(tokens_per_device * reached)
 
 
 def compile_train_step(config: Config, devices: list | None = None, target: GpuTarget | None = None):
@@ -313,7 +328,11 @@ def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget |
     step = jit_train_step(model, config, optimizer, state_shardings, batch_sharding(mesh, config))
     tokens_per_device = config.tokens_per_device(len(devices))
     routed_per_device = config.routed_tokens_per_device(len(devices))
-    if choice.exchange_compiled in ("all_to_all", "ragged_all_to_all"):  # each chunk's own kernels and buffers
+    if choice.exchange_compiled in (
+        "all_to_all",
+        "ragged_all_to_all",
+        "hierarchical",
+    ):  # each chunk's own kernels and buffers
         routed_per_device //= config.moe_exchange_chunks
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)), moe_context(config, mesh, tokens_per_device):
         ep = mesh.shape[axis] if (axis := expert_axis()) else 1
@@ -337,7 +356,7 @@ def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget |
     if target:
         domain_size = len(devices) // int(target.topology(len(devices)).split("x")[0])
         domain_of = np.array([d.id // domain_size for d in mesh.devices.flat])
-        rows = ragged_rows(config, routed_per_device, ep)
+        rows = ragged_rows(config, routed_per_device, ep, choice.exchange_compiled)
         schedule = overlap(text, target.hardware, domain_of, rows, block_trips, expert_rows).as_dict()
     report = AotReport(
         devices=len(devices),

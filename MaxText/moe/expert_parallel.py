@@ -13,6 +13,9 @@ tokens reach their experts and come back; every exchange is dropless, whatever t
 - ``ragged_all_to_all``: sends from a packed layout (each destination's rows back to back, found
   by offsets) into the same slots on the receiver, and takes the outputs back into it; only the
   rows in use move (sizes are exchanged first). GPU/TPU only: XLA:CPU does not implement it.
+- ``hierarchical``: two hops for nodes joined by a network (``_two_hop_experts``): a token crosses
+  the network once per remote node holding one of its experts, and is forwarded inside the node;
+  each hop is the slot exchange above over its group of devices (``Hop``), with its own rounds.
 - ``te``: Transformer Engine's NCCL expert-parallel dispatch/combine (GPU; ``te_exchange.py``).
 
 Buffer sizing. A token reaches at most ``min(K, ep)`` devices, so a device sends at most
@@ -62,10 +65,13 @@ from typing import NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from MaxText.config import Config
 from MaxText.moe.dispatch import gather_rows, in_rounds, sum_copies
+from MaxText.parallel.axes import MESH_AXES
+from MaxText.parallel.platform import trace_platform
 from MaxText.parallel.sharding import batch_mesh_axes, spec_axes, stored_spec
 from MaxText.quantization import recipe_of
 from MaxText.quantization.dispatch import fp8_moved
@@ -101,6 +107,35 @@ def expert_axis() -> str | None:
 # from the packed layout and moves only the rows in use.
 
 
+class Hop(NamedTuple):
+    """The devices of the expert ``axis`` that exchange tokens with each other: the whole axis
+    (``size`` ep), or one hop of the two-hop exchange: a node's devices, or the devices with the
+    same place in every node (``groups``, JAX's ``axis_index_groups``). A device's place in its
+    group is ``axis_index // stride % size``."""
+
+    axis: str
+    size: int
+    stride: int = 1
+    groups: tuple[tuple[int, ...], ...] | None = None
+
+    def index(self) -> jax.Array:
+        return jax.lax.axis_index(self.axis) // self.stride % self.size
+
+    def all_to_all(self, a: jax.Array) -> jax.Array:
+        groups = None if self.groups is None else [list(g) for g in self.groups]
+        return jax.lax.all_to_all(a, self.axis, 0, 0, tiled=True, axis_index_groups=groups)
+
+    def ragged_all_to_all(self, *args: jax.Array) -> jax.Array:
+        groups = None if self.groups is None else [list(g) for g in self.groups]
+        if groups is None:  # the plain call, as the CPU tests' emulation of the collective takes it
+            return jax.lax.ragged_all_to_all(*args, axis_name=self.axis)
+        return jax.lax.ragged_all_to_all(*args, axis_name=self.axis, axis_index_groups=groups)
+
+
+def whole_axis(axis: str) -> Hop:
+    return Hop(axis, jax.sharding.get_abstract_mesh().shape[axis])
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def packed_exchange(
     x_ND: jax.Array,
@@ -109,25 +144,25 @@ def packed_exchange(
     out_offsets: jax.Array,
     recv_sizes: jax.Array,
     out_rows: int,
-    axis: str,
+    hop: Hop,
 ) -> jax.Array:
     """``ragged_all_to_all`` into zeros of ``out_rows`` rows: rows ``[in_offsets[d], +send_sizes[d])``
     go to device d, landing at ``out_offsets[d]`` there; ``recv_sizes[s]`` arrive from s. Its
     transpose moves the rows back: each device learns where its rows landed and where they came
     from with two small ``all_to_all``s of the offsets."""
     out_RD = jnp.zeros((out_rows, *x_ND.shape[1:]), x_ND.dtype)
-    return jax.lax.ragged_all_to_all(x_ND, out_RD, in_offsets, send_sizes, out_offsets, recv_sizes, axis_name=axis)
+    return hop.ragged_all_to_all(x_ND, out_RD, in_offsets, send_sizes, out_offsets, recv_sizes)
 
 
-def _packed_exchange_fwd(x_ND, in_offsets, send_sizes, out_offsets, recv_sizes, out_rows, axis):
-    y = packed_exchange(x_ND, in_offsets, send_sizes, out_offsets, recv_sizes, out_rows, axis)
+def _packed_exchange_fwd(x_ND, in_offsets, send_sizes, out_offsets, recv_sizes, out_rows, hop):
+    y = packed_exchange(x_ND, in_offsets, send_sizes, out_offsets, recv_sizes, out_rows, hop)
     return y, (x_ND.shape[0], in_offsets, send_sizes, out_offsets, recv_sizes)
 
 
-def _packed_exchange_bwd(out_rows, axis, residuals, dy_RD):
+def _packed_exchange_bwd(out_rows, hop, residuals, dy_RD):
     in_rows, in_offsets, send_sizes, out_offsets, recv_sizes = residuals
-    landed, came_from = (jax.lax.all_to_all(a, axis, 0, 0, tiled=True) for a in (out_offsets, in_offsets))
-    dx_ND = packed_exchange(dy_RD, landed, recv_sizes, came_from, send_sizes, in_rows, axis)
+    landed, came_from = (hop.all_to_all(a) for a in (out_offsets, in_offsets))
+    dx_ND = packed_exchange(dy_RD, landed, recv_sizes, came_from, send_sizes, in_rows, hop)
     return dx_ND, None, None, None, None
 
 
@@ -146,14 +181,31 @@ def exchange_plan(tokens: int, top_k: int, ep: int, factor: float) -> ExchangePl
     return ExchangePlan(C, -(-tokens // C))
 
 
-def exchange_buffer_bytes(config: Config, tokens_per_device: int, ep: int, exchange: str) -> dict[str, int]:
+def exchange_buffer_bytes(
+    config: Config, tokens_per_device: int, ep: int, exchange: str, per_node: int | None = None
+) -> dict[str, int]:
     """The activation buffers one MoE layer's exchange holds per device, forward and backward,
     for ``tokens_per_device`` tokens on each of ``ep`` expert-parallel devices (what the planner
     and ahead-of-time tools budget): ``buffer_bytes`` as configured, ``worst_case_bytes`` for
     buffers that take any routing in one round. ``exchange`` is a resolved ``moe_ep_comm``;
-    ``te`` sizes its own buffers (``te_exchange.recv_capacity``) and is not covered."""
+    ``te`` sizes its own buffers (``te_exchange.recv_capacity``) and is not covered.
+    ``hierarchical`` is counted as on a GPU (packed rows across nodes), with ``per_node`` of the
+    ``ep`` devices in each node (default: the config's ``ici_expert_parallelism``)."""
     T, K, D = tokens_per_device, config.num_experts_per_tok, config.emb_dim
-    if exchange == "allgather":  # the group's tokens and partial outputs, and their gradients
+    L = per_node or devices_per_node(config, ep)
+    if exchange == "hierarchical" and L in (1, ep):  # one hop
+        exchange = "ragged_all_to_all"
+    if exchange == "hierarchical":
+        across, inside = two_hop_sizes(config, T, ep, L)
+        C1, C2, M = across.plan.rows_per_pair, inside.plan.rows_per_pair, ep // L
+        packed, slots = T * across.destinations + 1, M * (C1 + 1)
+        # Across nodes as the ragged exchange (packed out, slots in, and back); inside a node,
+        # slots on both sides, sized for the rows received across.
+        plan = ExchangePlan(C1, across.plan.rounds)
+        rows = 4 * packed + 4 * slots + 8 * L * (C2 + 1)
+        # Slots of T across nodes, and slots inside a node for every row that can hold a token.
+        worst_rows = 4 * packed + 4 * M * (T + 1) + 8 * L * (M * T + 1)
+    elif exchange == "allgather":  # the group's tokens and partial outputs, and their gradients
         plan = ExchangePlan(T, 1)
         rows = worst_rows = 4 * ep * T
     elif exchange in ("all_to_all", "ragged_all_to_all"):
@@ -177,14 +229,16 @@ def exchange_buffer_bytes(config: Config, tokens_per_device: int, ep: int, excha
     }
 
 
-def moe_working_bytes(config: Config, tokens_per_device: int, ep: int, exchange: str) -> int:
+def moe_working_bytes(
+    config: Config, tokens_per_device: int, ep: int, exchange: str, per_node: int | None = None
+) -> int:
     """One MoE layer's working set per device, held through its backward pass: the exchange's
     buffers (``exchange_buffer_bytes``) and the expert layout of a pass (``layout_capacity`` rows
     of D: the rows in and out and the gradient of each). What the planner budgets; XLA:GPU's
     compile of the GB200 recipe held 11.8 GB of such buffers at its peak, this counts 9.4 GB."""
     rows = layout_capacity(config, ep * tokens_per_device, ep)
     layout = 4 * rows * config.emb_dim * jnp.dtype(config.dtype).itemsize
-    return exchange_buffer_bytes(config, tokens_per_device, ep, exchange)["buffer_bytes"] + layout
+    return exchange_buffer_bytes(config, tokens_per_device, ep, exchange, per_node)["buffer_bytes"] + layout
 
 
 def layout_capacity(config: Config, group_tokens: int, ep: int) -> int:
@@ -198,6 +252,7 @@ class Routes(NamedTuple):
     rank_Td: jax.Array  # its rank among the tokens going to d
     token_dN: jax.Array  # d's tokens in order, padded with zeros to rounds * C
     sizes_d: jax.Array  # rows for each destination, all rounds together
+    experts_per_device: int  # destination d holds experts [d * this, (d + 1) * this)
 
 
 def _routes(experts_TK: jax.Array, experts_per_device: int, ep: int, plan: ExchangePlan) -> Routes:
@@ -205,8 +260,11 @@ def _routes(experts_TK: jax.Array, experts_per_device: int, ep: int, plan: Excha
     send_Td = (experts_TK[:, :, None] // experts_per_device == jnp.arange(ep)).any(axis=1)
     rank_Td = jnp.cumsum(send_Td, axis=0, dtype=jnp.int32) - 1
     token_dT = jnp.argsort(~send_Td, axis=0, stable=True).T.astype(jnp.int32)  # tokens sent to d first
-    token_dN = jnp.pad(token_dT, ((0, 0), (0, plan.rounds * plan.rows_per_pair - T)))
-    return Routes(send_Td, rank_Td, token_dN, send_Td.sum(axis=0, dtype=jnp.int32))
+    # Every round's rows: rows past them carry no token (the two-hop exchange's second hop sizes
+    # its rounds for the received rows that can hold one, not the slots' always-zero rows).
+    N = plan.rounds * plan.rows_per_pair
+    token_dN = token_dT[:, :N] if N <= T else jnp.pad(token_dT, ((0, 0), (0, N - T)))
+    return Routes(send_Td, rank_Td, token_dN, send_Td.sum(axis=0, dtype=jnp.int32), experts_per_device)
 
 
 def _round_slots(routes: Routes, r: jax.Array | int, C: int):
@@ -254,15 +312,15 @@ def _local_copies(local_RK: jax.Array, valid_R: jax.Array, weights_RK: jax.Array
 
 
 def _exchange_round(
-    r, routes, recv_total, packed, x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis, C
+    r, routes, recv_total, packed, x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, compute, hop, C, capacity
 ):
-    """One round on one device: send round r's rows to their experts' devices, compute, send the
-    partial outputs back; returns this round's part of every token's output [T, D]. ``packed``
+    """One round on one device: send round r's rows to their experts' devices in ``hop``, compute
+    them there (``compute``: the backend, or the two-hop exchange's second hop), send the partial
+    outputs back; returns this round's part of every token's output [T, D]. ``packed``
     (ragged_all_to_all) is the packed send layout, else whole slots move (all_to_all)."""
-    E_local = wi_0.shape[0]
+    experts_per_device = routes.experts_per_device
     token_R, destination_R, valid_R, row_Td, copy_R, send_sizes = _round_slots(routes, r, C)
     recv_sizes = jnp.clip(recv_total - r * C, 0, C)
-    exchange = partial(jax.lax.all_to_all, axis_name=axis, split_axis=0, concat_axis=0, tiled=True)
 
     # Outbound: the tokens (FP8 with a recipe), their experts as ids local to the destination,
     # their weights.
@@ -270,45 +328,48 @@ def _exchange_round(
     if packed is None:
         slots = (token_R, valid_R, row_Td)
         x_RD = (
-            exchange(gather_rows(x_TD, *slots))
+            hop.all_to_all(gather_rows(x_TD, *slots))
             if fp8 is None
-            else fp8_moved(partial(_to_slots, axis=axis), fp8, x_TD, slots)
+            else fp8_moved(partial(_to_slots, hop=hop), fp8, x_TD, slots)
         )
     else:  # round r's window of each destination's packed rows, into this device's slot there
         in_d = jnp.where(send_sizes > 0, packed.start_d + r * C, 0)
-        here = jnp.full_like(in_d, jax.lax.axis_index(axis) * (C + 1))
+        here = jnp.full_like(in_d, hop.index() * (C + 1))
         sizes = (in_d, send_sizes, here, recv_sizes)
         if fp8 is None:
-            x_RD = packed_exchange(packed.rows_ND, *sizes, token_R.shape[0], axis)
+            x_RD = packed_exchange(packed.rows_ND, *sizes, token_R.shape[0], hop)
         else:  # the packed gather moves FP8 too, so it is part of the movement
-            move = partial(_packed_to_slots, rows=token_R.shape[0], axis=axis)
+            move = partial(_packed_to_slots, rows=token_R.shape[0], hop=hop)
             x_RD = fp8_moved(move, fp8, x_TD, (packed.token_N, packed.valid_N, packed.row_Td, *sizes))
     local_RJ, active_RJ, weights_RJ = _local_copies(
-        experts_TK[token_R] - destination_R[:, None] * E_local, valid_R, weights_TK[token_R], E_local
+        experts_TK[token_R] - destination_R[:, None] * experts_per_device,
+        valid_R,
+        weights_TK[token_R],
+        experts_per_device,
     )
-    local_RJ, active_RJ, weights_RJ = (exchange(a) for a in (local_RJ, active_RJ, weights_RJ))
+    local_RJ, active_RJ, weights_RJ = (hop.all_to_all(a) for a in (local_RJ, active_RJ, weights_RJ))
 
     # Compute the received copies on the local experts; one weighted partial output per row.
-    ep = recv_sizes.shape[0]
-    capacity = layout_capacity(config, ep * x_TD.shape[0], ep)
-    y_RD = local_experts(x_RD, local_RJ, active_RJ, weights_RJ, wi_0, wi_1, wo, config, capacity=capacity)
+    y_RD = compute(x_RD, local_RJ, active_RJ, weights_RJ, wi_0, wi_1, wo, config, capacity=capacity)
 
     # Inbound: partial outputs back to their tokens, summed over the devices that computed them.
     if packed is None:
-        return sum_copies(exchange(y_RD), copy_R, valid_R, row_Td)
-    slot_starts = jnp.arange(ep, dtype=recv_sizes.dtype) * (C + 1)
-    yp_ND = packed_exchange(y_RD, slot_starts, recv_sizes, exchange(in_d), send_sizes, packed.copy_N.shape[0], axis)
+        return sum_copies(hop.all_to_all(y_RD), copy_R, valid_R, row_Td)
+    slot_starts = jnp.arange(hop.size, dtype=recv_sizes.dtype) * (C + 1)
+    yp_ND = packed_exchange(
+        y_RD, slot_starts, recv_sizes, hop.all_to_all(in_d), send_sizes, packed.copy_N.shape[0], hop
+    )
     return sum_copies(yp_ND, packed.copy_N, packed.valid_N, packed.row_Td)
 
 
-def _to_slots(x_TD, token_R, valid_R, row_Td, axis):
+def _to_slots(x_TD, token_R, valid_R, row_Td, hop):
     """Tokens into their destinations' slots, and the slots to their devices (all_to_all)."""
-    return jax.lax.all_to_all(gather_rows(x_TD, token_R, valid_R, row_Td), axis, 0, 0, tiled=True)
+    return hop.all_to_all(gather_rows(x_TD, token_R, valid_R, row_Td))
 
 
-def _packed_to_slots(x_TD, token_N, valid_N, row_Td, in_d, send_sizes, here, recv_sizes, rows, axis):
+def _packed_to_slots(x_TD, token_N, valid_N, row_Td, in_d, send_sizes, here, recv_sizes, rows, hop):
     """Tokens into the packed send layout, and its rows into their slots (ragged_all_to_all)."""
-    return packed_exchange(gather_rows(x_TD, token_N, valid_N, row_Td), in_d, send_sizes, here, recv_sizes, rows, axis)
+    return packed_exchange(gather_rows(x_TD, token_N, valid_N, row_Td), in_d, send_sizes, here, recv_sizes, rows, hop)
 
 
 class Packed(NamedTuple):
@@ -323,25 +384,120 @@ class Packed(NamedTuple):
     token_N: jax.Array
 
 
-def _slot_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis, ragged):
+class HopSizes(NamedTuple):
+    """How one hop's buffers are sized."""
+
+    plan: ExchangePlan  # C rows per (sender, receiver) pair and round; the rounds the worst routing needs
+    destinations: int  # the most devices of the hop one row reaches (the packed layout's rows per row)
+    experts_per_device: int  # the experts behind one destination (a node's, on the hop across nodes)
+    capacity: int  # the copies the experts' layout holds per pass (``layout_capacity``)
+
+
+def _slot_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, compute, hop: Hop, sizes: HopSizes, ragged):
     """Per device: the first round always; the rest only if some pair of the group overflows ``C``."""
-    T, K = experts_TK.shape
-    ep, E_local = jax.sharding.get_abstract_mesh().shape[axis], wi_0.shape[0]
-    plan = exchange_plan(T, K, ep, config.moe_ep_buffer_factor)
-    routes = _routes(experts_TK, E_local, ep, plan)
-    recv_total = jax.lax.all_to_all(routes.sizes_d, axis, 0, 0, tiled=True)
+    T, plan = experts_TK.shape[0], sizes.plan
+    routes = _routes(experts_TK, sizes.experts_per_device, hop.size, plan)
+    recv_total = hop.all_to_all(routes.sizes_d)
     packed = None
-    if ragged:  # every row to send, packed once: T * min(K, ep) rows and a zero row
-        token_N, valid_N, row_Td, copy_N, start_d = _packed_rows(routes, T * min(K, ep) + 1)
+    if ragged:  # every row to send, packed once: T * destinations rows and a zero row
+        token_N, valid_N, row_Td, copy_N, start_d = _packed_rows(routes, T * sizes.destinations + 1)
         rows_ND = gather_rows(x_TD, token_N, valid_N, row_Td) if recipe_of(config) is None else None
         packed = Packed(rows_ND, start_d, copy_N, valid_N, row_Td, token_N)
-    args = (x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis, plan.rows_per_pair)
-    # The fullest pair of the group decides the rounds, the same on every device (C = T: one
-    # round holds any routing, and no predicate is needed).
-    fullest = jax.lax.pmax(routes.sizes_d.max(), axis) if plan.rounds > 1 else 0
+    args = (x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, compute, hop, plan.rows_per_pair, sizes.capacity)
+    # The fullest pair decides the rounds, the same on every device of the expert axis (C = T:
+    # one round holds any routing, and no predicate is needed).
+    fullest = jax.lax.pmax(routes.sizes_d.max(), hop.axis) if plan.rounds > 1 else 0
     return in_rounds(
         lambda r: _exchange_round(r, routes, recv_total, packed, *args), fullest, plan.rows_per_pair, plan.rounds
     )
+
+
+def _flat_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis, ragged):
+    """One hop: every device of the expert axis sends straight to every other."""
+    T, K = experts_TK.shape
+    hop = whole_axis(axis)
+    plan = exchange_plan(T, K, hop.size, config.moe_ep_buffer_factor)
+    sizes = HopSizes(plan, min(K, hop.size), wi_0.shape[0], layout_capacity(config, hop.size * T, hop.size))
+    return _slot_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, hop, sizes, ragged)
+
+
+def devices_per_node(config: Config, ep: int, axis: str = "expert") -> int:
+    """The devices of the expert axis inside one fast domain (an 8-GPU node, an NVL72 rack): its
+    ``ici`` part. The mesh puts the ``dcn`` part outermost, so node m holds the axis's devices
+    ``[m * L, (m + 1) * L)``."""
+    dcn = config.dcn_parallelism()[MESH_AXES.index(axis)]
+    return ep if dcn in (-1, 1) else ep // dcn
+
+
+def node_hops(axis: str, ep: int, per_node: int) -> tuple[Hop, Hop]:
+    """The two-hop exchange's groups: (across nodes: the devices with the same place in every
+    node, one per node; inside a node: its devices)."""
+    L, M = per_node, ep // per_node
+    grid = np.arange(ep).reshape(M, L)  # node m's p-th device is device m * L + p of the axis
+    across = Hop(axis, M, stride=L, groups=tuple(map(tuple, grid.T.tolist())))
+    inside = Hop(axis, L, stride=1, groups=tuple(map(tuple, grid.tolist())))
+    return across, inside
+
+
+def nodes_per_token(config: Config, nodes: int, experts_per_node: int) -> int:
+    """The most nodes one token's experts live on: ``min(K, nodes)``, and no more than
+    ``topk_routing_group`` where every routing group lies inside one node (node-limited routing:
+    DeepSeek-V3's 256 experts in 8 groups over 8 nodes reach at most 4 of them)."""
+    bound = min(config.num_experts_per_tok, nodes)
+    group_size = config.num_experts // config.n_routing_groups
+    if config.n_routing_groups > 1 and experts_per_node % group_size == 0:
+        bound = min(bound, config.topk_routing_group)
+    return bound
+
+
+def two_hop_sizes(config: Config, tokens: int, ep: int, per_node: int) -> tuple[HopSizes, HopSizes]:
+    """The buffers of the hop across nodes and of the hop inside one, for ``tokens`` per device.
+
+    Across: a token travels once to each node holding one of its experts (``nodes_per_token``),
+    in pairs of ``C1`` = factor x the balanced share, as the one-hop exchange sizes its pairs.
+    Inside: the rows a device received (``M`` slots of ``C1`` rows and a zero row) go on to the
+    node's devices holding their experts. Balanced, a device computes ``T * K`` copies, so a pair
+    carries at most ``T * K / L`` rows (a row holds one or more copies): ``C2`` is factor x that,
+    capped at the ``M * C1`` rows that can hold a token, and further rounds take what a skewed
+    routing sends beyond it."""
+    T, K, factor = tokens, config.num_experts_per_tok, config.moe_ep_buffer_factor
+    L, M = per_node, ep // per_node
+    experts_per_device = config.num_experts // ep
+    capacity = layout_capacity(config, ep * T, ep)
+    destinations = nodes_per_token(config, M, L * experts_per_device)
+    across = HopSizes(exchange_plan(T, destinations, M, factor), destinations, L * experts_per_device, capacity)
+    received = M * across.plan.rows_per_pair
+    C2 = max(1, min(received, math.ceil(factor * T * K / L)))
+    J = min(K, L * experts_per_device)  # a row's copies on one node
+    inside = HopSizes(ExchangePlan(C2, -(-received // C2)), min(J, L), experts_per_device, capacity)
+    return across, inside
+
+
+def _two_hop_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis, ragged):
+    """Two hops, as DeepSeek-V3 trained: a token crosses the network once per node that holds
+    one of its experts (to the device with the sender's place in that node), and that device
+    forwards it to the node's devices holding them. The partial outputs come back the same way,
+    summed per node before they cross the network. Each hop is the one-hop exchange over its
+    group of devices (the hop inside nodes runs as the hop across nodes' computation), with its
+    own slots and overflow rounds: dropless whatever the routing. ``ragged`` moves only the rows
+    in use across nodes (``ragged_all_to_all``); inside a node whole slots move (``all_to_all``):
+    a packed layout there would have to hold every received row once per device of the node."""
+    ep = jax.sharding.get_abstract_mesh().shape[axis]
+    per_node = devices_per_node(config, ep, axis)
+    if per_node in (1, ep):  # one node, or one device per node: a single hop is the same thing
+        return _flat_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis, ragged)
+    across, inside = node_hops(axis, ep, per_node)
+    across_sizes, inside_sizes = two_hop_sizes(config, x_TD.shape[0], ep, per_node)
+    experts_per_node = across_sizes.experts_per_device
+
+    def inside_node(x_RD, local_RJ, active_RJ, weights_RJ, wi_0, wi_1, wo, config, capacity):
+        del capacity  # the sizes carry it
+        experts_RJ = jnp.where(active_RJ, local_RJ, experts_per_node)  # inactive: no device of the node
+        args = (x_RD, experts_RJ, weights_RJ, wi_0, wi_1, wo, config, local_experts, inside, inside_sizes)
+        return _slot_experts(*args, ragged=False)
+
+    args = (x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, inside_node, across, across_sizes)
+    return _slot_experts(*args, ragged=ragged)
 
 
 def _allgather_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis):
@@ -414,6 +570,8 @@ def expert_parallel_experts(
     token_axes = exchange_token_axes(x_TD.shape[0], axis)
     token_spec = P(token_axes or None, None)
     tokens_split_over_axis = axis in token_axes
+    # Only the rows in use move where the platform has ragged_all_to_all (XLA:CPU has not).
+    ragged = exchange == "ragged_all_to_all" or (exchange == "hierarchical" and trace_platform() != "cpu")
     wi_spec, wo_spec = stored_spec(wi_0.shape, WI_AXES), stored_spec(wo.shape, WO_AXES)
 
     def per_device(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo):
@@ -426,7 +584,8 @@ def expert_parallel_experts(
             return jax.lax.psum(_own_experts(*args), axis)
         if exchange == "allgather":
             return _allgather_experts(*args)
-        return _chunked(_slot_experts, config.moe_exchange_chunks, *args, ragged=exchange == "ragged_all_to_all")
+        exchange_fn = _two_hop_experts if exchange == "hierarchical" else _flat_experts
+        return _chunked(exchange_fn, config.moe_exchange_chunks, *args, ragged=ragged)
 
     return jax.shard_map(
         per_device,

@@ -159,11 +159,12 @@ def buffer_bytes(
         from MaxText.moe.expert_parallel import moe_working_bytes
 
         config = spec.config.model_copy(update={"moe_ep_buffer_factor": exchange_buffer_factor, "dtype": "bfloat16"})
-        name = "allgather" if stack.exchange == "allgather" else "ragged_all_to_all"
+        name = {"allgather": "allgather", "hierarchical": "hierarchical"}.get(stack.exchange, "ragged_all_to_all")
         # In chunks (moe_exchange_chunks) each chunk sizes its own buffers, and XLA's schedule
         # keeps two chunks' alive at once (one exchanging while the other computes).
         chunks = spec.config.moe_exchange_chunks if name != "allgather" else 1
-        exchange = min(chunks, 2) * moe_working_bytes(config, int(t) // chunks, layout.ep, name)
+        per_node = layout.local(*layout.ep_axes)
+        exchange = min(chunks, 2) * moe_working_bytes(config, int(t) // chunks, layout.ep, name, per_node)
     elif stack.exchange == "allgather":
         exchange = 2 * t * layout.ep * D * ACTIVATION_BYTES
     else:
