@@ -464,7 +464,7 @@ def test_hierarchical_exchange_moves_fewer_network_bytes(v3):
 def test_held_out_deepseek_run_and_why_the_fitted_model_was_low():
     """DeepSeek-V3's own run, fitted to nothing: within the tolerance with its own stack; with the
     exchange Megatron's runs were fitted with, well below, and each mechanism closes part of it."""
-    (point,) = calibration.held_out_points()
+    (point,) = [p for p in calibration.held_out_points() if p.stack == "deepseek"]
     value, est = calibration.predict(point)
     assert abs(value / point.published - 1) <= calibration.TOLERANCE, value
     assert est.exposed["dispatch"] == 0 and est.comms[0].bytes_network > 0  # hidden, not absent
@@ -474,4 +474,18 @@ def test_held_out_deepseek_run_and_why_the_fitted_model_was_low():
     assert steps[-1][1] == pytest.approx(value)
     rows = calibration.run_all()
     published = [r for r in rows if not r["compiled"]]
-    assert [r["held_out"] for r in published].count(True) == 1 and published[-1]["held_out"]
+    assert [r["held_out"] for r in published] == [False] * (len(published) - 2) + [True, True]
+
+
+def test_held_out_megatron_bridge_h100_run_with_its_own_exchange():
+    """Megatron-Bridge 25.09's 1,024-H100 run (338 TFLOPS/GPU, FP8, TP2 PP8 VP4 EP64, GBS 8192),
+    fitted to nothing: the ``megatron`` stack with the run's DeepEP (hierarchical) exchange and
+    selective recomputation, as its performance script sets them, is within 1%; charged every
+    copy of the one-hop exchange it is 8% low, and node-limited routing is the last 3%."""
+    (point,) = [p for p in calibration.held_out_points() if p.stack == "megatron"]
+    value, _ = calibration.predict(point)
+    assert point.exchange == "hierarchical" and point.layout.remat == "selective" and point.mtp_layers == 1
+    assert value == pytest.approx(point.published, rel=0.01)
+    steps = calibration.ladder(point)
+    assert [round(100 * error) for _, _, error in steps] == [-8, -3, 0]
+    assert steps[-1][1] == pytest.approx(value)

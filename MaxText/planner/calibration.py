@@ -46,6 +46,7 @@ class Point:
     metric: str = "tflops"  # or "scaling_efficiency", "tokens_per_s" (per GPU), "step_seconds"
     known_miss: str = ""  # why the point is outside the tolerance, if it is (docs/performance.md, test)
     mtp_layers: int = 0  # MTP modules the run trained with
+    exchange: str = ""  # the run's expert exchange, where it is not its stack's
 
 
 def _ours(num_gpus: int, gbs: int) -> Layout:
@@ -147,6 +148,15 @@ def points() -> list[Point]:
 def held_out_points() -> list[Point]:
     """Published runs no constant was fitted to: how the planner does out of sample.
 
+    Megatron-Bridge 25.09 on 1,024 H100 (NeMo 25.09 performance summary: 338 TFLOPS/GPU, 1,297
+    tokens/s/GPU, FP8 current scaling): TP2 PP8 VP4 EP64, micro-batch 1, batch 8,192 sequences of
+    4,096, DeepSeek-V3 with its MTP module (pipeline layout ``Et|(tt|)*30mL``). Megatron-Bridge's
+    performance script of that release (v0.1.0rc4, ``scripts/performance/run_script.py``) runs it
+    with DeepEP's dispatcher (the flex token dispatcher: a hierarchical exchange),
+    force-balanced routing, selective recomputation of the MLA up-projections and the MLPs, and
+    the expert exchange overlapped with the other micro-batch's computation in 1F1B: the
+    ``megatron`` stack (fitted on Blackwell runs) with the hierarchical exchange.
+
     DeepSeek-V3's own pre-training (technical report, 2024): 14.8T tokens in 2.664M H800
     GPU-hours, 1,543 tokens/s/GPU averaged over the whole run (stalls included, so an upper bound on
     the time per step); 2,048 H800 in 8-GPU nodes, PP16 with DualPipe (two chunks per GPU: vpp 2),
@@ -155,6 +165,17 @@ def held_out_points() -> list[Point]:
     published (1 here). Stack ``deepseek`` (constants.py) describes its schedule and exchange.
     """
     return [
+        Point(
+            "Megatron-Bridge 25.09, 1,024 H100 FP8 TP2 PP8 VP4 EP64, GBS 8192, DeepEP",
+            "deepseek3-671b",
+            "h100",
+            "fp8",
+            "megatron",
+            megatron(1024, 8, tp=2, pp=8, ep=64, mbs=1, gbs=8192, vpp=4),
+            338.0,
+            mtp_layers=1,
+            exchange="hierarchical",
+        ),
         Point(
             "DeepSeek-V3's own run, 2,048 H800 FP8 PP16 EP64, GBS 15360 (tokens/s/GPU)",
             "deepseek3-671b",
@@ -165,7 +186,7 @@ def held_out_points() -> list[Point]:
             1543.0,
             "tokens_per_s",
             mtp_layers=1,
-        )
+        ),
     ]
 
 
@@ -229,12 +250,11 @@ def model_spec(name: str, mtp_layers: int = 0) -> ModelSpec:
 
 def predict(point: Point, spec: ModelSpec | None = None, stack=None):
     """The planner's value of ``point``'s metric (under ``stack``, default the point's own)."""
-    from MaxText.planner.constants import STACKS
     from MaxText.planner.estimate import estimate
     from MaxText.planner.systems import SYSTEMS
 
     spec = spec or model_spec(point.model, point.mtp_layers)
-    est = estimate(spec, point.layout, SYSTEMS[point.system], stack or STACKS[point.stack], point.precision)
+    est = estimate(spec, point.layout, SYSTEMS[point.system], stack or own_stack(point), point.precision)
     value = {
         "scaling_efficiency": est.scaling_efficiency,
         "tokens_per_s": est.tokens_per_s,
@@ -243,21 +263,32 @@ def predict(point: Point, spec: ModelSpec | None = None, stack=None):
     return (est.tflops if value is None else value), est
 
 
+def own_stack(point: Point):
+    """The stack ``point`` ran: its named stack, with the run's own exchange where it names one."""
+    from MaxText.planner.constants import STACKS
+
+    stack = STACKS[point.stack]
+    return replace(stack, exchange=point.exchange) if point.exchange else stack
+
+
 def ladder(point: Point) -> list[tuple[str, float, float]]:
     """(step, predicted, error) from the optimised Megatron stack to the point's own stack, one
     mechanism at a time: why the planner as fitted to Megatron's runs is low on this one."""
     from MaxText.planner.constants import STACKS
 
     spec = model_spec(point.model, point.mtp_layers)
-    start, own = STACKS["megatron"], STACKS[point.stack]
+    start, own = STACKS["megatron"], own_stack(point)
     any_group = replace(spec, routing_groups=1, top_groups=1)
     steps = [
         ("Megatron's exchange: every copy crosses alone, 68% hidden", spec, start),
         ("+ one copy per remote node (any routing)", any_group, replace(start, exchange=own.exchange)),
         ("+ node-limited routing", spec, replace(start, exchange=own.exchange)),
-        ("+ FP8 dispatch", spec, replace(start, exchange=own.exchange, fp8_dispatch=own.fp8_dispatch)),
-        ("+ the exchange under another chunk's computation (DualPipe)", spec, own),
     ]
+    if own.name != start.name:  # a stack of its own beyond the exchange (DeepSeek's)
+        steps += [
+            ("+ FP8 dispatch", spec, replace(start, exchange=own.exchange, fp8_dispatch=own.fp8_dispatch)),
+            ("+ the exchange under another chunk's computation (DualPipe)", spec, own),
+        ]
     rows = []
     for name, s, stack in steps:
         value, _ = predict(point, s, stack)
