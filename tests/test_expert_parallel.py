@@ -153,6 +153,7 @@ SMALLER_BUFFERS = (*MESH, "moe_ep_buffer_factor=0.25")
 TENSOR_MESH = ("ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "ici_tensor_parallelism=2")
 NODE_MESH = ("ici_fsdp_parallelism=2", "dcn_expert_parallelism=2", "ici_expert_parallelism=2")
 NODES_OF_4 = ("ici_fsdp_parallelism=1", "dcn_expert_parallelism=2", "ici_expert_parallelism=4")
+FOUR_NODES_OF_2 = ("ici_fsdp_parallelism=1", "dcn_expert_parallelism=4", "ici_expert_parallelism=2")
 # Not a config key: the case traces the two-hop exchange as for a GPU, whose hop across nodes
 # moves packed rows by ragged_all_to_all (emulated here).
 RAGGED_ACROSS_NODES = "ragged-across-nodes"
@@ -167,11 +168,13 @@ CASES = [
     # Two chunks of 4 tokens per device, each exchanged on its own: C = 2, 2 rounds per chunk.
     ("ragged_dot", "ragged_all_to_all", *SMALL_BUFFERS, "moe_exchange_chunks=2"),
     # Two hops: over 2 nodes of 2 devices (and fsdp 2), one round each with the default buffers;
-    # over 2 nodes of 4, factor 1/4 gives 4 rounds across nodes and 2 inside them, and factor 1/2
-    # 2 rounds on each hop, moving the rows across nodes as a GPU does (packed, ragged_all_to_all).
+    # over 2 nodes of 4, factor 1/4 gives 4 rounds across nodes and 2 inside them; over 4 nodes of
+    # 2, where node-limited routing bounds a token to 2 of the 4 nodes (a node's 4 experts are one
+    # of the 4 groups, a token takes 2 groups), the packed layout holds 2 rows per token and the
+    # rows move across nodes as a GPU moves them (ragged_all_to_all), in 4 rounds at factor 1/2.
     ("blocked", "hierarchical", *NODE_MESH),
     ("ragged_dot", "hierarchical", *NODES_OF_4, "moe_ep_buffer_factor=0.25"),
-    ("ragged_dot", "hierarchical", *NODES_OF_4, "moe_ep_buffer_factor=0.5", RAGGED_ACROSS_NODES),
+    ("ragged_dot", "hierarchical", *FOUR_NODES_OF_2, "moe_ep_buffer_factor=0.5", RAGGED_ACROSS_NODES),
 ]
 SUFFIXES = (
     (RAGGED_ACROSS_NODES, "-ragged_across_nodes"),
@@ -285,11 +288,14 @@ def test_two_hop_sizes_by_hand():
         assert exchange_buffer_bytes(config, 4096, 64, "hierarchical", per_node) == exchange_buffer_bytes(
             config, 4096, 64, "ragged_all_to_all"
         )
-    # The CPU cases above: 8 tokens per device, top-4 of 16 experts, 2 nodes of 4 devices; a node's
-    # 8 experts are 2 of the 4 groups and a token takes 2 groups, so it reaches at most 2 nodes.
-    nodes_of_4 = make_config(*NODES_OF_4)
-    sizes = {f: two_hop_sizes(nodes_of_4.model_copy(update={"moe_ep_buffer_factor": f}), 8, 8, 4) for f in (0.25, 0.5)}
-    assert [(a.plan, b.plan) for a, b in sizes.values()] == [((2, 4), (2, 2)), ((4, 2), (4, 2))]
+    # The CPU cases above: 8 tokens per device, top-4 of 16 experts in 4 groups, a token in 2 groups.
+    # 2 nodes of 4 devices, factor 1/4: at most 2 nodes per token; C1 = 2 (4 rounds), C2 = 2 (2).
+    across, inside = two_hop_sizes(make_config(*NODES_OF_4, "moe_ep_buffer_factor=0.25"), 8, 8, 4)
+    assert (across.destinations, across.plan, inside.plan) == (2, (2, 4), (2, 2))
+    # 4 nodes of 2, factor 1/2: a node's 4 experts are one group, so 2 of the 4 nodes per token;
+    # C1 = 1/2 x 8 x 2 / 4 = 2 (4 rounds), C2 = the 4 x 2 received rows (1 round).
+    across, inside = two_hop_sizes(make_config(*FOUR_NODES_OF_2, "moe_ep_buffer_factor=0.5"), 8, 8, 2)
+    assert (across.destinations, across.plan, inside.plan) == (2, (2, 4), (8, 1))
 
 
 def test_two_hop_sends_a_token_once_per_remote_node_as_the_planner_counts():
@@ -354,6 +360,16 @@ def test_model_stats_shows_the_exchange_buffers(capsys):
     table = capsys.readouterr().out
     assert "(ragged_all_to_all, ep 64, 4,096 tokens per device, bfloat16)" in table
     assert "5.64" in table and "16.92" in table  # the by-hand figures above, in GB
+    main(
+        [
+            "model_name=deepseek3-671b",
+            "ici_expert_parallelism=8",
+            "dcn_expert_parallelism=8",
+            "moe_ep_comm=hierarchical",
+        ]
+    )
+    table = capsys.readouterr().out
+    assert "10.34" in table and "8,192  rows per pair, up to 4 rounds" in table  # test_two_hop_sizes_by_hand
 
 
 def test_layout_passes_hold_every_active_copy_once():
@@ -390,7 +406,12 @@ def _collective_dtypes(jaxpr, names=("all_to_all", "all_gather", "ragged_all_to_
     return found
 
 
-FP8_CASES = [("allgather", *MESH), ("all_to_all", *SMALL_BUFFERS), ("ragged_all_to_all", *SMALL_BUFFERS)]
+FP8_CASES = [
+    ("allgather", *MESH),
+    ("all_to_all", *SMALL_BUFFERS),
+    ("ragged_all_to_all", *SMALL_BUFFERS),
+    ("hierarchical", *NODE_MESH),  # the hop inside a node quantizes the delivered rows again
+]
 # Every exchange with blockwise, and MX's scales on the cheapest exchange: the movement does not
 # depend on the recipe (the quantizers are tested in test_quantization.py), and MX on each of the
 # slot exchanges took 150 s (its unrolled rounds compile slowly).

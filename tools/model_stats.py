@@ -150,6 +150,14 @@ def render(stats: dict, config: Config) -> str:
                 ),
                 _row("worst case, one round", f"{x['worst_case_bytes'] / GB:,.2f}", "GB"),
             ]
+            if "inside_rows_per_pair" in x:  # the two-hop exchange: the figures above are across nodes
+                lines.append(
+                    _row(
+                        "hop inside a node",
+                        f"{x['inside_rows_per_pair']:,}",
+                        f"rows per pair, up to {x['inside_rounds']} rounds",
+                    )
+                )
         else:
             lines.append("  sized by Transformer Engine (its dropless receive capacity)")
     return "\n".join(lines)

@@ -62,6 +62,8 @@ from MaxText.train.step import jit_train_step
 CPU_BACKEND = {"te": "blocked", "ragged_dot": "blocked", "tokamax": "blocked"}
 CPU_EXCHANGE = {"te": "all_to_all", "ragged_all_to_all": "all_to_all"}
 CPU_ATTENTION = {"te": "flash", "cudnn": "flash"}  # fused flash attention -> the blockwise JAX one
+# The exchanges that take a device's tokens in ``moe_exchange_chunks`` chunks.
+CHUNKED_EXCHANGES = ("all_to_all", "ragged_all_to_all", "hierarchical")
 # What a deviceless GPU compile can take instead of Transformer Engine, per key.
 INSTEAD_OF_TE = {
     "moe_matmul": "tokamax, blocked or ragged_dot",
@@ -328,11 +330,7 @@ def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget |
     step = jit_train_step(model, config, optimizer, state_shardings, batch_sharding(mesh, config))
     tokens_per_device = config.tokens_per_device(len(devices))
     routed_per_device = config.routed_tokens_per_device(len(devices))
-    if choice.exchange_compiled in (
-        "all_to_all",
-        "ragged_all_to_all",
-        "hierarchical",
-    ):  # each chunk's own kernels and buffers
+    if choice.exchange_compiled in CHUNKED_EXCHANGES:  # each chunk's own kernels and buffers
         routed_per_device //= config.moe_exchange_chunks
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)), moe_context(config, mesh, tokens_per_device):
         ep = mesh.shape[axis] if (axis := expert_axis()) else 1

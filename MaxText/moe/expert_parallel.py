@@ -127,8 +127,6 @@ class Hop(NamedTuple):
 
     def ragged_all_to_all(self, *args: jax.Array) -> jax.Array:
         groups = None if self.groups is None else [list(g) for g in self.groups]
-        if groups is None:  # the plain call, as the CPU tests' emulation of the collective takes it
-            return jax.lax.ragged_all_to_all(*args, axis_name=self.axis)
         return jax.lax.ragged_all_to_all(*args, axis_name=self.axis, axis_index_groups=groups)
 
 
@@ -190,7 +188,8 @@ def exchange_buffer_bytes(
     buffers that take any routing in one round. ``exchange`` is a resolved ``moe_ep_comm``;
     ``te`` sizes its own buffers (``te_exchange.recv_capacity``) and is not covered.
     ``hierarchical`` is counted as on a GPU (packed rows across nodes), with ``per_node`` of the
-    ``ep`` devices in each node (default: the config's ``ici_expert_parallelism``)."""
+    ``ep`` devices in each node (default: ``devices_per_node``); ``rows_per_pair`` and ``rounds``
+    are then the hop across nodes', ``inside_rows_per_pair`` and ``inside_rounds`` the hop inside."""
     T, K, D = tokens_per_device, config.num_experts_per_tok, config.emb_dim
     L = per_node or devices_per_node(config, ep)
     if exchange == "hierarchical" and L in (1, ep):  # one hop
@@ -201,7 +200,7 @@ def exchange_buffer_bytes(
         packed, slots = T * across.destinations + 1, M * (C1 + 1)
         # Across nodes as the ragged exchange (packed out, slots in, and back); inside a node,
         # slots on both sides, sized for the rows received across.
-        plan = ExchangePlan(C1, across.plan.rounds)
+        plan, inside_plan = across.plan, inside.plan
         rows = 4 * packed + 4 * slots + 8 * L * (C2 + 1)
         # Slots of T across nodes, and slots inside a node for every row that can hold a token.
         worst_rows = 4 * packed + 4 * M * (T + 1) + 8 * L * (M * T + 1)
@@ -220,9 +219,18 @@ def exchange_buffer_bytes(
     else:
         raise ValueError(f"moe_ep_comm {exchange!r}: no exchange buffers of this module to report")
     row_bytes = D * jnp.dtype(config.dtype).itemsize
+    inside = (
+        {}
+        if exchange != "hierarchical"
+        else {
+            "inside_rows_per_pair": inside_plan.rows_per_pair,
+            "inside_rounds": inside_plan.rounds,
+        }
+    )
     return {
         "rows_per_pair": plan.rows_per_pair,
         "rounds": plan.rounds,
+        **inside,
         "buffer_rows": rows,
         "buffer_bytes": rows * row_bytes,
         "worst_case_bytes": worst_rows * row_bytes,
@@ -250,7 +258,7 @@ def layout_capacity(config: Config, group_tokens: int, ep: int) -> int:
 class Routes(NamedTuple):
     send_Td: jax.Array  # token t goes to device d (it chose at least one of d's experts)
     rank_Td: jax.Array  # its rank among the tokens going to d
-    token_dN: jax.Array  # d's tokens in order, padded with zeros to rounds * C
+    token_dN: jax.Array  # d's tokens in order, padded with zeros (or cut) to rounds * C
     sizes_d: jax.Array  # rows for each destination, all rounds together
     experts_per_device: int  # destination d holds experts [d * this, (d + 1) * this)
 
@@ -423,10 +431,13 @@ def _flat_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_ex
 
 def devices_per_node(config: Config, ep: int, axis: str = "expert") -> int:
     """The devices of the expert axis inside one fast domain (an 8-GPU node, an NVL72 rack): its
-    ``ici`` part. The mesh puts the ``dcn`` part outermost, so node m holds the axis's devices
-    ``[m * L, (m + 1) * L)``."""
-    dcn = config.dcn_parallelism()[MESH_AXES.index(axis)]
-    return ep if dcn in (-1, 1) else ep // dcn
+    ``ici`` part (``ep`` over its ``dcn`` part where the ``ici`` part is the one filled in). The
+    mesh puts the ``dcn`` part outermost, so node m holds the axis's devices ``[m * L, (m + 1) * L)``."""
+    index = MESH_AXES.index(axis)
+    ici, dcn = config.ici_parallelism()[index], config.dcn_parallelism()[index]
+    if ici > 0:
+        return min(ici, ep)
+    return ep // dcn if dcn > 0 else ep
 
 
 def node_hops(axis: str, ep: int, per_node: int) -> tuple[Hop, Hop]:
@@ -442,7 +453,10 @@ def node_hops(axis: str, ep: int, per_node: int) -> tuple[Hop, Hop]:
 def nodes_per_token(config: Config, nodes: int, experts_per_node: int) -> int:
     """The most nodes one token's experts live on: ``min(K, nodes)``, and no more than
     ``topk_routing_group`` where every routing group lies inside one node (node-limited routing:
-    DeepSeek-V3's 256 experts in 8 groups over 8 nodes reach at most 4 of them)."""
+    DeepSeek-V3's 256 experts in 8 groups over 8 nodes reach at most 4 of them). The bound is the
+    router's (``router.route`` masks all but a token's best groups, bias or not): the exchange's
+    packed layout holds that many rows per token and no more, so experts chosen any other way
+    must keep to it."""
     bound = min(config.num_experts_per_tok, nodes)
     group_size = config.num_experts // config.n_routing_groups
     if config.n_routing_groups > 1 and experts_per_node % group_size == 0:
@@ -469,6 +483,7 @@ def two_hop_sizes(config: Config, tokens: int, ep: int, per_node: int) -> tuple[
     received = M * across.plan.rows_per_pair
     C2 = max(1, min(received, math.ceil(factor * T * K / L)))
     J = min(K, L * experts_per_device)  # a row's copies on one node
+    # (the hop inside moves slots: its bound on destinations sizes no packed layout)
     inside = HopSizes(ExchangePlan(C2, -(-received // C2)), min(J, L), experts_per_device, capacity)
     return across, inside
 
@@ -481,7 +496,10 @@ def _two_hop_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local
     group of devices (the hop inside nodes runs as the hop across nodes' computation), with its
     own slots and overflow rounds: dropless whatever the routing. ``ragged`` moves only the rows
     in use across nodes (``ragged_all_to_all``); inside a node whole slots move (``all_to_all``):
-    a packed layout there would have to hold every received row once per device of the node."""
+    a packed layout there would have to hold every received row once per device of the node.
+    With FP8 dispatch the hop inside re-quantizes the rows the hop across delivered dequantized:
+    the same values (a quantize-dequantize round trip is idempotent), one more quantize per round.
+    The experts must be the router's (``nodes_per_token``)."""
     ep = jax.sharding.get_abstract_mesh().shape[axis]
     per_node = devices_per_node(config, ep, axis)
     if per_node in (1, ep):  # one node, or one device per node: a single hop is the same thing

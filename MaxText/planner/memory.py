@@ -159,7 +159,7 @@ def buffer_bytes(
         from MaxText.moe.expert_parallel import moe_working_bytes
 
         config = spec.config.model_copy(update={"moe_ep_buffer_factor": exchange_buffer_factor, "dtype": "bfloat16"})
-        name = {"allgather": "allgather", "hierarchical": "hierarchical"}.get(stack.exchange, "ragged_all_to_all")
+        name = stack.exchange if stack.exchange in ("allgather", "hierarchical") else "ragged_all_to_all"
         # In chunks (moe_exchange_chunks) each chunk sizes its own buffers, and XLA's schedule
         # keeps two chunks' alive at once (one exchanging while the other computes).
         chunks = spec.config.moe_exchange_chunks if name != "allgather" else 1
