@@ -119,6 +119,8 @@ class Hop(NamedTuple):
     groups: tuple[tuple[int, ...], ...] | None = None
 
     def index(self) -> jax.Array:
+        if self.groups is None:  # the whole axis
+            return jax.lax.axis_index(self.axis)
         return jax.lax.axis_index(self.axis) // self.stride % self.size
 
     def all_to_all(self, a: jax.Array) -> jax.Array:
