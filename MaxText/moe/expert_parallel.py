@@ -123,13 +123,14 @@ class Hop(NamedTuple):
             return jax.lax.axis_index(self.axis)
         return jax.lax.axis_index(self.axis) // self.stride % self.size
 
+    def _index_groups(self) -> list[list[int]] | None:
+        return None if self.groups is None else [list(g) for g in self.groups]
+
     def all_to_all(self, a: jax.Array) -> jax.Array:
-        groups = None if self.groups is None else [list(g) for g in self.groups]
-        return jax.lax.all_to_all(a, self.axis, 0, 0, tiled=True, axis_index_groups=groups)
+        return jax.lax.all_to_all(a, self.axis, 0, 0, tiled=True, axis_index_groups=self._index_groups())
 
     def ragged_all_to_all(self, *args: jax.Array) -> jax.Array:
-        groups = None if self.groups is None else [list(g) for g in self.groups]
-        return jax.lax.ragged_all_to_all(*args, axis_name=self.axis, axis_index_groups=groups)
+        return jax.lax.ragged_all_to_all(*args, axis_name=self.axis, axis_index_groups=self._index_groups())
 
 
 def whole_axis(axis: str) -> Hop:
