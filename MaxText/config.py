@@ -219,6 +219,7 @@ class Config(BaseModel):
     dcn_tensor_parallelism: CountOrMinusOne
     num_pipeline_microbatches: CountOrMinusOne
     num_pipeline_repeats: Count
+    num_pipeline_lanes: Count
     logical_axis_rules: list[Annotated[tuple[str, list[str]], Strict(False)]]
 
     # ---- derived values: computed here and nowhere else ----
@@ -273,11 +274,12 @@ class Config(BaseModel):
 
     def routed_tokens_per_device(self, num_devices: int) -> int:
         """Tokens one MoE layer of the stack routes per device: a device's share of a batch, or
-        pipelined, of a pipeline micro-batch (1/M of the batch over the 1/p of the devices of a stage)."""
+        pipelined, of one lane of a pipeline micro-batch (1/(M lanes) of the batch over the 1/p of
+        the devices of a stage)."""
         tokens = self.tokens_per_device(num_devices)
         if self.pipeline_stages == 1:
             return tokens
-        return tokens * self.pipeline_stages // self.pipeline_microbatches
+        return tokens * self.pipeline_stages // (self.pipeline_microbatches * self.num_pipeline_lanes)
 
     def global_batch_size(self, num_devices: int) -> int:
         """Sequences per optimizer step."""

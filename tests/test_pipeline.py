@@ -77,26 +77,35 @@ def with_grads(run):
 
 
 # p in {2, 4}, r in {1, 2}, m in {p, 2p}, one layer per stage; two layers per stage once; and m
-# not a multiple of p (the buffer between repeats reuses its slots in another order).
-CASES = [(p, r, m, 1) for p, r in itertools.product((2, 4), (1, 2)) for m in (p, 2 * p)]
-CASES += [(2, 2, 4, 2), (2, 3, 3, 1), (4, 2, 5, 1)]
+# not a multiple of p (the buffer between repeats reuses its slots in another order). Lanes (each
+# micro-batch's rows dealt into 2 or 3, each lane's transfer under the next one's work): with 1 and
+# 2 repeats, the buffer's reordered slots, and a stage of two layers.
+CASES = [(p, r, m, 1, 1) for p, r in itertools.product((2, 4), (1, 2)) for m in (p, 2 * p)]
+CASES += [(2, 2, 4, 2, 1), (2, 3, 3, 1, 1), (4, 2, 5, 1, 1)]
+CASES += [(2, 1, 2, 1, 2), (4, 2, 5, 1, 2), (2, 2, 4, 2, 3)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stages, repeats, microbatches, per_stage", CASES)
-def test_pipelined_layers_equal_the_layers_in_order(stages, repeats, microbatches, per_stage):
+@pytest.mark.parametrize("stages, repeats, microbatches, per_stage, lanes", CASES)
+def test_pipelined_layers_equal_the_layers_in_order(stages, repeats, microbatches, per_stage, lanes):
     layers = stages * repeats * per_stage
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(stages, 8 // stages), ("stage", "fsdp"))
-    kx, kw = jax.random.split(jax.random.key(stages * 100 + repeats * 10 + microbatches + per_stage))
+    kx, kw = jax.random.split(jax.random.key(stages * 100 + repeats * 10 + microbatches + per_stage + 1000 * lanes))
     stack = make_stack(layers, kw)
-    x_MB = jax.random.normal(kx, (microbatches, B, S, D))
-    scale_MB = 1 + jnp.arange(microbatches * B * S, dtype=jnp.float32).reshape(microbatches, B, S) / 100
+    rows = B * lanes
+    x_MB = jax.random.normal(kx, (microbatches, rows, S, D))
+    scale_MB = 1 + jnp.arange(microbatches * rows * S, dtype=jnp.float32).reshape(microbatches, rows, S) / 100
 
-    def in_order(stack, x_MB):
-        return reference(layer, stack, x_MB, scale_MB)
+    def in_order(stack, x_MB):  # each lane (rows l, l + lanes, ...) of each micro-batch on its own
+        items = jnp.concatenate([x_MB[:, lane::lanes] for lane in range(lanes)])
+        scales = jnp.concatenate([scale_MB[:, lane::lanes] for lane in range(lanes)])
+        out, stats = reference(layer, stack, items, scales)
+        out = jnp.stack(jnp.split(out, lanes), axis=2)  # [lanes, M, b, ...] -> [M, b, lanes, ...]
+        return out.reshape(x_MB.shape), stats
 
     def pipelined(stack, x_MB, fill):
-        out, stats = circular_pipeline(layer, to_stages(stack, stages, repeats), x_MB, scale_MB, fill=fill)
+        staged = to_stages(stack, stages, repeats)
+        out, stats = circular_pipeline(layer, staged, x_MB, scale_MB, fill=fill, lanes=lanes)
         return out, from_stages(stats)
 
     (_, (want_out, want_stats)), want_grads = with_grads(in_order)(stack, x_MB)
@@ -188,7 +197,7 @@ def test_deepseek_moe_layers_through_the_pipeline_equal_them_in_order():
 
 # The DeepSeek model with 8 MoE layers (p x r divides 8), each pipelined layout once: p in {2, 4},
 # r in {1, 2}, m in {p, 2p}, both exchange backends; fsdp, or tensor, inside the stages where
-# devices are left.
+# devices are left; 2 lanes where a micro-batch's rows deal into them.
 MODEL_CASES = [
     (
         "ici_pipeline_parallelism=2",
@@ -196,6 +205,7 @@ MODEL_CASES = [
         "num_pipeline_microbatches=2",
         "ici_fsdp_parallelism=2",
         "moe_ep_comm=allgather",
+        "num_pipeline_lanes=2",
     ),
     (
         "ici_pipeline_parallelism=2",
@@ -204,6 +214,7 @@ MODEL_CASES = [
         "ici_fsdp_parallelism=1",
         "ici_tensor_parallelism=2",  # tensor x stage: heads and hidden dims split inside the stages
         "moe_ep_comm=all_to_all",
+        "num_pipeline_lanes=2",
     ),
     (
         "ici_pipeline_parallelism=4",

@@ -49,6 +49,17 @@ def test_pipeline_stages_are_the_outermost_split():
             8,
             "num_pipeline_microbatches",
         ),
+        # 16 sequences in 2 micro-batches of 8 rows over a stage's 4 devices: 2 lanes of 4 fit, 4 of 2 do not.
+        (
+            (
+                "ici_pipeline_parallelism=2",
+                "num_pipeline_microbatches=2",
+                "per_device_batch_size=2",
+                "num_pipeline_lanes=4",
+            ),
+            8,
+            "num_pipeline_lanes",
+        ),
     ],
 )
 def test_mesh_errors_name_the_key(overrides, devices, key):

@@ -172,9 +172,9 @@ def expected_step_flops(config: Config, tokens: int) -> dict[str, float]:
     Remat (``full`` or ``minimal``, as an upper bound) recomputes each scanned decoder layer's
     forward inside the backward (+1/3 of its training FLOPs; the MTP module's layer is not
     rematerialised); with ``vocab_chunks`` > 1 the loss recomputes every head's forward (+1/3 of
-    its training FLOPs). Pipelined, the MoE stack's forward runs once more (each iteration is
-    rematerialised from its input) and its stages compute through the bubble too
-    (``(r m + p - 1) / (r m)`` of the useful iterations). A rerun of the routed experts is +2/9
+    its training FLOPs). Pipelined, the MoE stack's stages compute through the bubble too
+    (``(r m + p - 1) / (r m)`` of the useful iterations; each layer is rematerialised as without
+    the pipeline, nothing more). A rerun of the routed experts is +2/9
     of their training FLOPs (their down-projection's output is not needed: the router weight
     scales its input), +1/3 with ``blocked``."""
     counts = count_parameters(config)
@@ -198,26 +198,17 @@ def expected_step_flops(config: Config, tokens: int) -> dict[str, float]:
     routed_remat = 1 + rerun if remat > 1 else 1
     routed = counts.main["routed_experts"] * routed_remat
     main -= 6 * active * counts.main["routed_experts"] * (remat - routed_remat)
-    if config.pipeline_stages > 1:
+    if config.pipeline_stages > 1:  # the stack's layers also compute through the bubble's iterations
         stages, repeats, m = config.pipeline_stages, config.num_pipeline_repeats, config.pipeline_microbatches
-        bubble = 1 / (1 - bubble_fraction(stages, repeats, m))  # all iterations over the useful ones
+        extra = 1 / (1 - bubble_fraction(stages, repeats, m)) - 1  # idle iterations over the useful ones
         layer_share = config.num_moe_layers / max(config.base_num_decoder_layers, 1)
         parts = counts.main
-        stack = 6 * (parts["attention"] * layer_share + parts["router"] + parts["shared_experts"])
-        stack += 6 * active * parts["routed_experts"]
-        main += stack * ((remat + 1 / 3) * bubble - remat)
-        per_pass = rematted - plain  # one forward of the attention core
-        stack_attention = per_layer_attention * config.num_moe_layers
-        layer_factor = rematted if remat > 1 else plain
-        main += stack_attention * ((layer_factor + per_pass) * bubble - layer_factor)
-        attention += stack_attention * ((layer_factor + per_pass) * bubble - layer_factor)
-        main -= (
-            6
-            * active
-            * counts.main["routed_experts"]
-            * ((remat - routed_remat) * (bubble - 1) + (1 / 3 - rerun) * bubble)
-        )
-        routed = counts.main["routed_experts"] * (routed_remat + rerun) * bubble
+        stack = 6 * (parts["attention"] * layer_share + parts["router"] + parts["shared_experts"]) * remat
+        stack += 6 * active * parts["routed_experts"] * routed_remat
+        stack_attention = per_layer_attention * config.num_moe_layers * (rematted if remat > 1 else plain)
+        main += (stack + stack_attention) * extra
+        attention += stack_attention * extra
+        routed *= 1 + extra
     experts = 6 * active * (routed + counts.mtp_parts["routed_experts"])
     return {
         "model": float(flops.total) * tokens,

@@ -87,7 +87,7 @@ class LayerStack(nn.Module):
         averaged over them, as one batch would give (equal micro-batches: it is a mean over
         sequences). Each layer is the scan's layer applied to its slice of the stacked variables."""
         c = self.config
-        M = c.pipeline_microbatches
+        M, lanes = c.pipeline_microbatches, c.num_pipeline_lanes
         layer = DecoderLayer(c, self.use_moe, parent=None)
         collections = [name for name in ("params", BIAS) if self.has_variable(name, "layers")]
         stack = nn.unbox({name: self.get_variable(name, "layers") for name in collections})
@@ -96,16 +96,18 @@ class LayerStack(nn.Module):
             (y, _), state = layer.apply(variables, x, *side, mutable=[LOAD, LOSS])
             return y, (state.get(LOAD, {}), state.get(LOSS, {}))
 
-        if c.remat_policy != "none":
-            one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[c.remat_policy], prevent_cse=False)
-
         split = partial(interleaved_split, n=M)
         staged = to_stages(stack, stages, c.num_pipeline_repeats)
         y_MBSD, (load, loss) = circular_pipeline(
-            one_layer, staged, split(x_BSD), (split(positions_BS), split(segment_ids_BS))
+            one_layer,
+            staged,
+            split(x_BSD),
+            (split(positions_BS), split(segment_ids_BS)),
+            lanes=lanes,
+            remat_policy=REMAT_POLICIES.get(c.remat_policy),
         )
         if self.is_mutable_collection(LOAD):
             self.put_variable(LOAD, "layers", from_stages(load))
-        if self.is_mutable_collection(LOSS):
-            self.put_variable(LOSS, "layers", jax.tree.map(lambda a: a / M, from_stages(loss)))
+        if self.is_mutable_collection(LOSS):  # each lane's loss is a mean over its sequences
+            self.put_variable(LOSS, "layers", jax.tree.map(lambda a: a / (M * lanes), from_stages(loss)))
         return constrain(interleaved_join(y_MBSD), ACTIVATION_AXES)

@@ -44,13 +44,20 @@ def mesh_shape(config: Config, num_devices: int) -> tuple[list[int], list[int]]:
             f"config key 'ici_expert_parallelism': num_experts ({config.num_experts}) is not divisible by expert parallelism ({ways['expert']})"
         )
     if ways[STAGE_AXIS] > 1:
-        # Inside a stage, a micro-batch's rows are split over the stage's devices but tensor.
+        # Inside a stage, a micro-batch's rows (each of its lanes') are split over the stage's devices but tensor.
         rows, microbatches = config.micro_batch_size(num_devices), config.pipeline_microbatches
         split = num_devices // (ways[STAGE_AXIS] * ways["tensor"])
+        lanes = config.num_pipeline_lanes
         if rows % (microbatches * split):
             raise ConfigError(
                 f"config key 'num_pipeline_microbatches': {rows} sequences per batch do not cut into {microbatches} "
                 f"micro-batches of a multiple of {split} rows (one per device of a stage); change "
+                "num_pipeline_microbatches or per_device_batch_size"
+            )
+        if rows % (microbatches * split * lanes):
+            raise ConfigError(
+                f"config key 'num_pipeline_lanes': {rows // microbatches} rows of a micro-batch do not deal into "
+                f"{lanes} lanes of a multiple of {split} rows (one per device of a stage); change num_pipeline_lanes, "
                 "num_pipeline_microbatches or per_device_batch_size"
             )
     return dcn, ici

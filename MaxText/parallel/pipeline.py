@@ -15,18 +15,29 @@ A stage with no item (the first ``s`` and last ``stages - 1 - s`` iterations) id
 micro-batches instead of whatever its buffers held (a finite input, so its backward pass, whose
 incoming gradient is zero, stays finite for any layer that is finite on real data), its output
 goes nowhere and its statistics are dropped, so bubbles change no number; ``fill`` sets what the
-buffers hold before real data reaches them (tests fill them with NaN to show it). An item leaves the last stage at least one iteration before it
-re-enters stage 0 when ``m >= stages``; with more micro-batches it waits in stage 0's buffer.
+buffers hold before real data reaches them (tests fill them with NaN to show it). An item leaves
+the last stage at least one iteration before it re-enters stage 0 when ``m >= stages``; with more
+micro-batches it waits in stage 0's buffer.
 
-The loop is a ``scan`` over iterations (compile time does not grow with m), each iteration's
-stage computation rematerialised in the backward pass from its input (what the scan keeps per
-iteration is one micro-batch's activation). Every stage also holds the m micro-batches' input,
-the buffer of items between repeats and the output (SPMD: one program), and the output is summed
-over the stages once at the end (an all-reduce of the stack's output). Parameters are kept stage-major: each leaf
-``[repeats, stages, per_stage, ...]`` (``to_stages``), whose row-major flattening is the layer
-order, with the ``stages`` dim split over the mesh axis, so each stage holds its own layers.
+*Lanes* hide the stage transfers. Each micro-batch's rows are dealt into ``lanes`` interleaved
+lanes (rows l, l + lanes, ...) that go through an iteration one after another: a lane's output
+is sent while the next lane computes, and the last lane's output is sent at the start of the next
+iteration, under the other lanes' work. Nothing a lane computes waits for a transfer still in
+flight, so XLA's scheduler can overlap every transfer with a GEMM (with one lane the next
+iteration waits for the transfer). The rows a lane computes are 1/lanes of a micro-batch's.
 
-Shape legend: R repeats, P stages, J layers per stage, M micro-batches, B rows of a micro-batch.
+The loop is a ``scan`` over iterations (compile time does not grow with m). Each layer keeps what
+``remat_policy`` (the model's) keeps for its backward pass, and its input; an iteration keeps
+nothing more (not the repeat's slice of the weights: the backward slices the stack again), so the
+forward runs once, as without the pipeline. Inside a stage, FSDP gathers each layer's weights where
+it runs, in every iteration. Every stage also holds the m micro-batches' input, the buffer of
+items between repeats and the output (SPMD: one program), and the output is summed over the
+stages once at the end (an all-reduce of the stack's output). Parameters are kept stage-major:
+each leaf ``[repeats, stages, per_stage, ...]`` (``to_stages``), whose row-major flattening is the
+layer order, with the ``stages`` dim split over the mesh axis, so each stage holds its own layers.
+
+Shape legend: R repeats, P stages, J layers per stage, M micro-batches, B rows of a micro-batch,
+N lanes, b = B / N rows of a lane.
 """
 
 from collections.abc import Callable
@@ -34,10 +45,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from MaxText.parallel.axes import STAGE_AXIS
 
+STAGE_WEIGHTS = "pipeline_layer_weights"  # a layer's slice of the stage's weights: recomputed, never kept
 TRANSFER_SCOPE = "stage_transfer"  # the named scope of the stage transfers (op names carry it: aot/overlap.py)
 Params = Any
 LayerFn = Callable[[Params, jax.Array, Any], tuple[jax.Array, Any]]  # (a layer's params, x, side) -> (x, stats)
@@ -66,6 +79,20 @@ def from_stages(staged: Params) -> Params:
     return jax.tree.map(lambda leaf: leaf.reshape(-1, *leaf.shape[3:]), staged)
 
 
+def to_lanes(x_MB: jax.Array, lanes: int) -> list[jax.Array]:
+    """[M, B, ...] -> ``lanes`` arrays [M, B / lanes, ...], lane l taking rows l, l + lanes, ... (a
+    device's rows stay its own when each holds a multiple of ``lanes``)."""
+    M, B = x_MB.shape[:2]
+    split = x_MB.reshape(M, B // lanes, lanes, *x_MB.shape[2:])
+    return [split[:, :, lane] for lane in range(lanes)]
+
+
+def from_lanes(lanes_MB: list[jax.Array]) -> jax.Array:
+    """The inverse of ``to_lanes``."""
+    joined = jnp.stack(lanes_MB, axis=2)
+    return joined.reshape(joined.shape[0], -1, *joined.shape[3:])
+
+
 def circular_pipeline(
     layer_fn: LayerFn,
     staged: Params,
@@ -73,74 +100,112 @@ def circular_pipeline(
     side_MB: Any = None,
     axis: str = STAGE_AXIS,
     fill: float = 0.0,
+    lanes: int = 1,
+    remat_policy: Callable[..., Any] | None = None,
 ) -> tuple[jax.Array, Any]:
     """Every micro-batch of ``x_MB`` [M, B, ...] through all the layers of ``staged`` (leaves
     [R, P, J, ...], ``to_stages``), in order; the outputs [M, B, ...] and each layer's statistics
-    summed over the micro-batches, leaves [R, P, J, ...] (bubbles excluded).
+    summed over the micro-batches and lanes, leaves [R, P, J, ...] (bubbles excluded).
 
-    ``layer_fn(params, x, side) -> (x, stats)`` is one layer on one micro-batch; ``side`` is that
-    micro-batch's slice of ``side_MB`` (leaves [M, ...]: what every layer reads and none changes,
-    such as positions), looked up by each stage rather than passed along. It runs inside a
-    ``shard_map`` that is manual over ``axis`` only: the other mesh axes (FSDP, experts, the
-    batch split) stay XLA's, as outside the pipeline."""
+    ``layer_fn(params, x, side) -> (x, stats)`` is one layer on one lane of a micro-batch;
+    ``side`` is that lane's slice of ``side_MB`` (leaves [M, B, ...]: what every layer reads and
+    none changes, such as positions), looked up by each stage rather than passed along.
+    ``remat_policy`` (a ``jax.checkpoint_policies`` policy) is what each layer keeps for its
+    backward pass besides its input, which it recomputes the rest from; None keeps everything but
+    the layer's weights. It runs inside
+    a ``shard_map`` that is manual over ``axis`` only: the other mesh axes (FSDP, experts, the batch
+    split) stay XLA's, as outside the pipeline."""
     R, stages = jax.tree.leaves(staged)[0].shape[:2]
-    M = x_MB.shape[0]
+    M, B = x_MB.shape[:2]
     if jax.sharding.get_abstract_mesh().shape.get(axis, 1) != stages:
         raise ValueError(f"the parameters have {stages} stages, the mesh axis '{axis}' is not {stages} ways")
     if M < stages:
         raise ValueError(f"{M} micro-batches cannot fill {stages} stages: the pipeline needs at least one per stage")
+    if lanes < 1 or B % lanes:
+        raise ValueError(f"{B} rows of a micro-batch do not deal into {lanes} lanes")
     iterations = M * R + stages - 1
+    ring = [(j, (j + 1) % stages) for j in range(stages)]
 
-    def stage(params, r, x, side):  # this stage's J layers of repeat r on one micro-batch
-        def one_layer(x, layer_params):
-            return layer_fn(layer_params, x, side)
+    def send(y):  # to the next stage (the last stage's output goes back to stage 0)
+        with jax.named_scope(TRANSFER_SCOPE):
+            return jax.lax.ppermute(y, axis, ring)
 
-        mine = jax.tree.map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, r, 0, keepdims=False)[0], params)
-        return jax.lax.scan(one_layer, x, mine)
+    def layer_at(params, r, j, x, side):  # layer j of this stage's repeat r (params [R, 1, J, ...])
+        mine = jax.tree.map(lambda leaf: leaf[r, 0, j], params)
+        return layer_fn(checkpoint_name(mine, STAGE_WEIGHTS), x, side)
+
+    # Each layer keeps what the remat policy keeps (with none, everything but its slice of the
+    # weights): its inputs are the loop-invariant stack and indices, so no iteration keeps a copy
+    # of its layers' weights, and nothing is recomputed beyond the policy's own rerun.
+    keep = remat_policy or jax.checkpoint_policies.save_anything_except_these_names(STAGE_WEIGHTS)
+    layer_at = jax.checkpoint(layer_at, policy=keep, prevent_cse=False)
+
+    def stage(params, r, x, side):  # this stage's J layers of repeat r on one lane of a micro-batch
+        def one_layer(x, j):
+            return layer_at(params, r, j, x, side)
+
+        return jax.lax.scan(one_layer, x, jnp.arange(jax.tree.leaves(params)[0].shape[2]))
 
     def local(params, x_MB, side_MB):  # one stage's view: params [R, 1, J, ...], every micro-batch
         s = jax.lax.axis_index(axis)
+        x_lanes = to_lanes(x_MB, lanes)
+        side_lanes = [jax.tree.map(lambda a, lane=lane: to_lanes(a, lanes)[lane], side_MB) for lane in range(lanes)]
 
-        def side_of(i):  # micro-batch i's side inputs
-            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), side_MB)
+        def pick(a, i):
+            return jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
 
-        stats_shape = jax.eval_shape(stage, params, 0, x_MB[0], side_of(0))[1]
+        def receive(arrived, t, waiting, x_M):
+            """What this stage computes on in iteration ``t`` from what ``arrived`` from the previous
+            stage for it, and stage 0's buffer of items back from the last stage: there ``arrived``
+            is item t - P's last pass, kept by micro-batch, and the input is a new micro-batch in
+            the first repeat, else one back."""
+            last = t - stages
+            slot = jnp.mod(last, M)
+            keep = (s == 0) & (last >= 0) & (last < M * R)
+            waiting = jax.lax.dynamic_update_index_in_dim(
+                waiting, jnp.where(keep, arrived, pick(waiting, slot)), slot, 0
+            )
+            first = jnp.where(t < M, pick(x_M, jnp.mod(t, M)), pick(waiting, jnp.mod(t, M)))
+            return jnp.where(s == 0, first, arrived), waiting
+
+        stats_shape = jax.eval_shape(stage, params, 0, x_lanes[0][0], jax.tree.map(lambda a: a[0], side_lanes[0]))[1]
         stats = jax.tree.map(lambda a: jnp.zeros((R, *a.shape), a.dtype), stats_shape)
-        # What this stage works on next: at stage 0 the first micro-batch, elsewhere nothing yet.
-        state = jnp.where(s == 0, x_MB[0], jnp.full_like(x_MB[0], fill))
-        waiting = jnp.full_like(x_MB, fill)  # stage 0: items back from the last stage, by micro-batch
+        blank = jnp.full_like(x_lanes[0][0], fill)  # what a buffer holds before real data reaches it
+        waiting = [jnp.full_like(x, fill) for x in x_lanes]  # stage 0: items back from the last stage, by micro-batch
+        ready = []  # lanes 0 .. N-2: their input for iteration 0 (the last lane's arrives in the iteration)
+        for lane in range(lanes - 1):
+            x, waiting[lane] = receive(blank, 0, waiting[lane], x_lanes[lane])
+            ready.append(x)
 
         def iteration(carry, t):
-            state, waiting, stats = carry
+            ready, pending, waiting, stats = carry
             k = t - s
             busy = (k >= 0) & (k < M * R)
             r = jnp.clip(k // M, 0, R - 1)
             i = jnp.mod(k, M)
-            # A bubble computes on a real micro-batch (finite: no 0 x inf in its backward pass).
-            x = jnp.where(busy, state, jax.lax.dynamic_index_in_dim(x_MB, i, 0, keepdims=False))
-            y, layer_stats = jax.checkpoint(stage)(params, r, x, side_of(i))
-            stats = jax.tree.map(
-                lambda total, new: total.at[r].add(jnp.where(busy, new, jnp.zeros_like(new))), stats, layer_stats
-            )
-            with jax.named_scope(TRANSFER_SCOPE):
-                arrived = jax.lax.ppermute(y, axis, [(j, (j + 1) % stages) for j in range(stages)])
-            # At stage 0, ``arrived`` is the last stage's item t - (P - 1): keep it by micro-batch.
-            last = t - (stages - 1)
-            keep = (s == 0) & (last >= 0) & (last < M * R)
-            back_slot = jnp.mod(last, M)
-            kept = jnp.where(keep, arrived, jax.lax.dynamic_index_in_dim(waiting, back_slot, 0, keepdims=False))
-            waiting = jax.lax.dynamic_update_index_in_dim(waiting, kept, back_slot, 0)
-            # Stage 0's next item is t + 1: a new micro-batch in the first repeat, else one back.
-            following = t + 1
-            next_slot = jnp.mod(following, M)
-            new = jax.lax.dynamic_index_in_dim(x_MB, next_slot, 0, keepdims=False)
-            back = jax.lax.dynamic_index_in_dim(waiting, next_slot, 0, keepdims=False)
-            state = jnp.where(s == 0, jnp.where(following < M, new, back), arrived)
-            return (state, waiting, stats), None
+            # The last lane's output of the previous iteration goes first, under the other lanes' work.
+            x_last, waiting[-1] = receive(send(pending), t, waiting[-1], x_lanes[-1])
+            inputs, ready = [*ready, x_last], []
+            for lane, x in enumerate(inputs):
+                # A bubble computes on a real micro-batch (finite: no 0 x inf in its backward pass).
+                x = jnp.where(busy, x, pick(x_lanes[lane], i))
+                y, layer_stats = stage(params, r, x, jax.tree.map(lambda a, lane=lane: pick(a, i), side_lanes[lane]))
+                stats = jax.tree.map(
+                    lambda total, new: total.at[r].add(jnp.where(busy, new, jnp.zeros_like(new))), stats, layer_stats
+                )
+                if lane < lanes - 1:  # sent now, under the next lane's work; computed on next iteration
+                    x, waiting[lane] = receive(send(y), t + 1, waiting[lane], x_lanes[lane])
+                    ready.append(x)
+                else:
+                    pending = y
+            return (ready, pending, waiting, stats), None
 
-        (_, waiting, stats), _ = jax.lax.scan(iteration, (state, waiting, stats), jnp.arange(iterations))
+        carry = (ready, blank, waiting, stats)
+        (_, pending, waiting, stats), _ = jax.lax.scan(iteration, carry, jnp.arange(iterations))
+        _, waiting[-1] = receive(send(pending), iterations, waiting[-1], x_lanes[-1])  # the last item's last lane
         # Stage 0 holds the outputs (every item's last pass came back to it); the others give zeros.
-        out = jax.lax.psum(jnp.where(s == 0, waiting, jnp.zeros_like(waiting)), axis)
+        out = from_lanes(waiting)
+        out = jax.lax.psum(jnp.where(s == 0, out, jnp.zeros_like(out)), axis)
         return out, jax.tree.map(lambda a: a[:, None], stats)
 
     by_stage = P(None, axis)  # every leaf [R, P, ...]: parameters in, statistics out

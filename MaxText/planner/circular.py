@@ -3,14 +3,15 @@ the planner's sharded stack with pipeline stages.
 
 Every stage runs ``r m + p - 1`` iterations of its ``J = moe_layers / (p r)`` layers (the bubble's
 share is the planner's usual ``(p - 1) / (r m)`` on top of the step), all micro-batches
-forward before any backward, each iteration rematerialised from its input. So, against the
-unpipelined stack:
+forward before any backward, each layer rematerialised by the remat policy as without the
+pipeline (the forward runs once). So, against the unpipelined stack:
 
-- the stack's forward runs once more: +1/3 of its training FLOPs in every class, and two more
-  exchange passes per MoE layer (7, not 5: the rerun's dispatch and combine);
-- FSDP gathers a stage's weights for each iteration's forward, rerun and backward, and scatters
-  its gradients once per iteration: ``3 m`` gathers and ``m`` scatters of the stage's weights per
-  step before the bubble, where the unpipelined step has ``2 m`` and ``m``.
+- FLOPs and exchange passes are the same per token (plus the bubble's iterations);
+- FSDP gathers a stage's weights in each iteration's forward and backward and scatters their
+  gradients once per iteration: ``2 m`` gathers and ``m`` scatters per step before the bubble,
+  as ``m`` accumulated micro-batches would;
+- the stage transfers are hidden under the next lane's work with ``num_pipeline_lanes`` > 1
+  (``estimate.py``), exposed with one lane.
 
 Bytes here, as everywhere in the planner, are a step's without the bubble; the step time's
 ``(1 + bubble)`` adds the bubble's iterations (XLA's program moves ``(r m + p - 1) / (r m)`` times
@@ -26,36 +27,20 @@ from MaxText.planner.constants import Stack
 from MaxText.planner.layout import Layout
 from MaxText.planner.model import ModelSpec
 
-STACK_EXCHANGE_PASSES = 7  # dispatch and combine forward, again in the rerun, backward; the rounds' one more
-EXCHANGE_PASSES = 5  # the same without the rerun (comms.py: sharded stacks)
-
 
 def applies(spec: ModelSpec, layout: Layout, stack: Stack) -> bool:
     """The repository's own pipeline: its sharded stack, with stages, for one of its models."""
     return stack.state == "sharded" and layout.pp > 1 and spec.config is not None
 
 
-def stack_share(spec: ModelSpec, kind: str) -> float:
-    """The pipelined MoE stack's share of a FLOP class: of the routed experts' layers (MTP's
-    included) for ``grouped``, of all layers otherwise."""
-    stacked = spec.config.num_moe_layers
-    return stacked / spec.moe_layers if kind == "grouped" else stacked / spec.layers
-
-
-def rerun_extra(spec: ModelSpec, kind: str) -> float:
-    """Executed FLOPs the rerun forward adds to a class, as a share of its model FLOPs."""
-    return stack_share(spec, kind) / 3
-
-
-def exchange_passes(spec: ModelSpec) -> float:
-    """Exchange passes per MoE layer, averaged over the stack and the MTP modules' layers."""
-    share = stack_share(spec, "grouped")
-    return share * STACK_EXCHANGE_PASSES + (1 - share) * EXCHANGE_PASSES
+def transfers_hidden(spec: ModelSpec) -> bool:
+    """Each lane's stage transfer runs under the next lane's layers (``num_pipeline_lanes`` > 1)."""
+    return spec.config.num_pipeline_lanes > 1
 
 
 def fsdp_passes(layout: Layout) -> tuple[float, float]:
     """(gathers, scatters) of a stage's weights per step, before the bubble."""
-    return 3 * layout.microbatches, layout.microbatches
+    return 2 * layout.microbatches, layout.microbatches
 
 
 def split_problem(spec: ModelSpec, layout: Layout) -> str | None:

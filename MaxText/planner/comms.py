@@ -51,6 +51,9 @@ from MaxText.planner.model import ModelSpec
 from MaxText.planner.systems import System
 
 GRAD_BYTES = 4
+EXCHANGE_PASSES = (
+    5  # sharded stacks: dispatch and combine forward, again in the remat rerun, backward; the rounds' one more
+)
 WEIGHT_BYTES = 2
 
 
@@ -125,7 +128,7 @@ def collectives(
     sharded = stack.state == "sharded"
     pipelined = circular.applies(spec, layout, stack)
     if sharded:
-        passes = circular.exchange_passes(spec) if pipelined else circular.EXCHANGE_PASSES
+        passes = EXCHANGE_PASSES
     else:
         passes = 6 if layout.remat == "full" else 4
     grad_bytes = ACTIVATION_BYTES if sharded else GRAD_BYTES

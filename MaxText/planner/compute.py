@@ -9,7 +9,6 @@ up on systems with faster softmax exponentials (a stack with ``gemms_at_dense_ra
 class as the compiled program's roofline does: at the dense rate, attention at the bfloat16 one).
 Non-GEMM kernels stream the activations through HBM ``Stack.elementwise_passes`` times. Host time
 is launch and synchronisation time a stack without CUDA graphs spends per layer per micro-batch.
-This repository's pipeline reruns its MoE stack's forward (``circular.py``).
 
 FP8 comes in two forms (``fp8_kernels``). ``fused``: the GEMMs run on FP8 tensor cores at the FP8
 row of ``GEMM_EFFICIENCY`` (what the published FP8 runs did; the calibration). ``emulated``: this
@@ -21,7 +20,6 @@ GEMMs run at the bfloat16 rate (MX operands are exact in bfloat16).
 
 from __future__ import annotations
 
-from MaxText.planner import circular
 from MaxText.planner.constants import ACTIVATION_BYTES, GEMM_EFFICIENCY, QUANTIZE_BYTES, Stack
 from MaxText.planner.layout import Layout
 from MaxText.planner.model import ModelSpec
@@ -58,7 +56,6 @@ def math_times(
     emulated = precision != "bf16" and fp8_kernels == "emulated"
     runs_at = gemm_precision(precision, fp8_kernels)
     row = "bf16" if runs_at == "bf16" else "fp8"
-    pipelined = circular.applies(spec, layout, stack)
     times = {}
     for kind, flops in spec.flops.items():
         kind_row = "bf16" if kind == "attention" else row  # attention cores run in bfloat16 at every precision
@@ -68,14 +65,11 @@ def math_times(
             rate = system.peak_flops("bf16") * speedup * efficiency
         else:
             rate = system.peak_flops(runs_at) * efficiency * (stack.grouped_scale if kind == "grouped" else 1.0)
-        rerun = circular.rerun_extra(spec, kind) if pipelined else 0.0
+        rerun = 0.0
         if kind == "grouped" and stack.routed_recompute and layout.remat in ("minimal", "selective"):
-            rerun += RECOMPUTE["full"] * 2 / 3  # their two input projections, once more
+            rerun = RECOMPUTE["full"] * 2 / 3  # their two input projections, once more
         times[kind] = tokens * flops * (extra + rerun) / rate
-    rerun = circular.rerun_extra(spec, "dense") if pipelined else 0.0
-    times["elementwise"] = (
-        tokens * spec.act_none * ACTIVATION_BYTES * stack.elementwise_passes * (extra + rerun) / system.hbm_bw
-    )
+    times["elementwise"] = tokens * spec.act_none * ACTIVATION_BYTES * stack.elementwise_passes * extra / system.hbm_bw
     if stack.moe_buffer_passes:  # the exchange's slots and layouts take the factor; one device's layout, K rows
         factor = exchange_buffer_factor if layout.ep > 1 else 1.0
         row_bytes = factor * spec.top_k * spec.d_model * ACTIVATION_BYTES

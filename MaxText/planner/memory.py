@@ -121,17 +121,18 @@ def kept_per_token(spec: ModelSpec, remat: str, layers: float) -> float:
 
 def circular_pipeline_activation_bytes(spec: ModelSpec, layout: Layout) -> float:
     """This repository's pipeline (``MaxText/parallel/pipeline.py``): every micro-batch runs
-    forward before any runs backward, each of a stage's ``m r + p - 1`` iterations rematerialised
-    from its input. A GPU holds those inputs, the micro-batches' input, output and waiting buffers
-    and their gradients (four per micro-batch), and one iteration's ``J = moe_layers / (p r)``
-    layers recomputed under the remat policy; outside the pipeline, the dense layers, the MTP
-    modules and the head run on the whole batch's tokens of the GPU (``m / p`` micro-batches'
-    worth), with their fp32 logits one ``vocab_chunks`` slice at a time."""
+    forward before any runs backward, each of a stage's ``m r + p - 1`` iterations keeping what the
+    remat policy keeps of its ``J = moe_layers / (p r)`` layers (so the m micro-batches' activations
+    are a stage's share of the batch's, as unpipelined, plus the bubble's iterations). A GPU also
+    holds the micro-batches' input, output and waiting buffers and their gradients (four per
+    micro-batch); outside the pipeline, the dense layers, the MTP modules and the head run on the
+    whole batch's tokens of the GPU (``m / p`` micro-batches' worth), with their fp32 logits one
+    ``vocab_chunks`` slice at a time."""
     t = layout.mbs * spec.seq_len / layout.tp  # tokens per GPU per micro-batch inside a stage
     m, pp, r, D = layout.microbatches, layout.pp, layout.vpp, spec.d_model
     stacked = spec.config.num_moe_layers
     batch = t * m / pp
-    inside = kept_per_token(spec, layout.remat, stacked / (pp * r)) * t + (m * r + pp - 1 + 4 * m) * t * D
+    inside = kept_per_token(spec, layout.remat, stacked / (pp * r)) * t * (m * r + pp - 1) + 4 * m * t * D
     outside = kept_per_token(spec, layout.remat, spec.layers - stacked) * batch
     logits = batch * spec.vocab * 4 * 2 / spec.config.vocab_chunks
     return (inside + outside) * ACTIVATION_BYTES + logits
