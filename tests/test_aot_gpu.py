@@ -366,13 +366,14 @@ print(len(re.findall(r" collective-permute\(", hlo)), sorted(covered))
 def test_pipeline_stage_transfers_run_under_the_next_lanes_gemms():
     """The circular pipeline's gradient compiled for 8 GB200 (stage 2 x fsdp 4, the latency-hiding
     scheduler): the stage transfers are asynchronous (start/done pairs, none synchronous). In the
-    loop bodies, with one lane no layer runs between a transfer's start and its done (the next
-    iteration reads what arrives); with two lanes the forward's first lane's transfer has the
-    second lane's layers under it. XLA's schedule leaves the rest exposed (docs/pipeline.md)."""
+    loop bodies, with one lane no GEMM runs between a transfer's start and its done (the next
+    iteration reads what arrives, and the layers run in a nested loop, which XLA's scheduler does
+    not overlap with a transfer); with two lanes a transfer of the forward loop and one of the
+    backward's have the other lane's first layer's GEMMs under them (docs/pipeline.md)."""
     synchronous, covered = compiled_script(PIPELINE_STAGE_TRANSFERS, "1")[-1].split(" ", 1)
     assert synchronous == "0" and "True" not in covered and "False" in covered
     synchronous, covered = compiled_script(PIPELINE_STAGE_TRANSFERS, "2")[-1].split(" ", 1)
-    assert synchronous == "0" and "True" in covered
+    assert synchronous == "0" and covered.count("True") >= 2
 
 
 def test_pipelined_model_compiles_for_gb200_with_cudnn_attention():
@@ -407,7 +408,13 @@ def test_pipelined_model_compiles_for_gb200_with_cudnn_attention():
     assert r["choices"]["attention_compiled"] == "cudnn"
     assert r["mesh"] == {"stage": 2, "data": 1, "fsdp": 2, "expert": 2, "tensor": 1}
     assert r["collectives_by_axes"]["collective-permute over stage"]["count"] >= 2
-    assert r["pipeline"] == {"stages": 2, "repeats": 1, "microbatches": 4, "bubble": pytest.approx(1 / 5)}
+    assert r["pipeline"] == {
+        "stages": 2,
+        "repeats": 1,
+        "microbatches": 4,
+        "lanes": 1,
+        "bubble": pytest.approx(1 / 5),
+    }
     expected = r["scope_expected"]["routed_experts"]
     assert r["scope_flops"]["routed_experts"] == pytest.approx(expected, rel=0.01)
 

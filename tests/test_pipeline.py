@@ -7,12 +7,14 @@ MoE statistics and every gradient equal the unpipelined model's."""
 
 import functools
 import itertools
+import re
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -122,6 +124,34 @@ def test_pipelined_layers_equal_the_layers_in_order(stages, repeats, microbatche
                 assert_close(stats[name], want_stats[name])
             for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
                 assert_close(got, want)
+
+
+@pytest.mark.parametrize("policy", [None, "nothing_saveable", "dots_with_no_batch_dims_saveable"])
+def test_no_iteration_keeps_a_copy_of_its_layers_weights(policy, capsys):
+    """What the backward pass keeps, under no remat policy, full remat and minimal remat: of the
+    weights, only the stack itself (loop-invariant, [R, P, J, ...]); no slice of a layer's weights
+    or its cast per iteration, which would hold (m r + p - 1) copies of a stage's weights."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("stage", "fsdp"))
+    stack = make_stack(8, jax.random.key(0))
+    x_MB = jnp.zeros((4, B, S, D))
+
+    def cast_layer(params, x, scale):  # a layer that reads its weights in another dtype, as the model does
+        return layer(jax.tree.map(lambda w: w.astype(jnp.bfloat16).astype(jnp.float32), params), x, scale)
+
+    def loss(stack, x_MB):
+        remat = getattr(jax.checkpoint_policies, policy) if policy else None
+        out, stats = circular_pipeline(
+            cast_layer, to_stages(stack, 2, 2), x_MB, jnp.ones((4, B, S)), remat_policy=remat
+        )
+        return objective(out, stats)
+
+    with jax.set_mesh(mesh):
+        print_saved_residuals(loss, stack, x_MB)
+    shapes = re.findall(r"^\w+\[([\d,]+)\]", capsys.readouterr().out, re.MULTILINE)
+    kept = {tuple(int(d) for d in shape.split(",")) for shape in shapes}
+    weights = {shape for shape in kept if shape[-2:] in ((D, F), (F, D))}
+    assert weights == {(2, 2, 2, D, F), (2, 2, 2, F, D)}
+    assert any(len(shape) > 4 and shape[-1] in (D, F) for shape in kept - weights)  # the activations kept per iteration
 
 
 def test_the_bubble_is_p_minus_1_of_the_iterations():

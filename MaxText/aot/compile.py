@@ -82,6 +82,7 @@ def pipeline_summary(config: Config) -> dict | None:
         "stages": stages,
         "repeats": repeats,
         "microbatches": microbatches,
+        "lanes": config.num_pipeline_lanes,
         "bubble": bubble_fraction(stages, repeats, microbatches),
     }
 

@@ -83,9 +83,10 @@ class LayerStack(nn.Module):
 
     def pipelined(self, stages: int, x_BSD: jax.Array, positions_BS: jax.Array, segment_ids_BS: jax.Array) -> jax.Array:
         """The scan's layers through ``circular_pipeline`` over ``stages`` on M micro-batches (rows i, i + M, ...
-        of the batch, so each keeps the batch's split); the MoE loads summed and the balance loss
-        averaged over them, as one batch would give (equal micro-batches: it is a mean over
-        sequences). Each layer is the scan's layer applied to its slice of the stacked variables."""
+        of the batch, so each keeps the batch's split), each in ``num_pipeline_lanes`` lanes; the
+        MoE loads summed and the balance loss averaged over the micro-batches' lanes, as one batch
+        would give (equal lanes: it is a mean over sequences). Each layer is the scan's layer
+        applied to its slice of the stacked variables, under the remat policy."""
         c = self.config
         M, lanes = c.pipeline_microbatches, c.num_pipeline_lanes
         layer = DecoderLayer(c, self.use_moe, parent=None)

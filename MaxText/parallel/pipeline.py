@@ -23,8 +23,10 @@ micro-batches it waits in stage 0's buffer.
 lanes (rows l, l + lanes, ...) that go through an iteration one after another: a lane's output
 is sent while the next lane computes, and the last lane's output is sent at the start of the next
 iteration, under the other lanes' work. Nothing a lane computes waits for a transfer still in
-flight, so XLA's scheduler can overlap every transfer with a GEMM (with one lane the next
-iteration waits for the transfer). The rows a lane computes are 1/lanes of a micro-batch's.
+flight, so XLA's scheduler can overlap a transfer with another lane's GEMMs (with one lane the
+next iteration waits for the transfer); each lane's first layer runs outside the layers' loop,
+where the scheduler places GEMMs under a transfer (it does not overlap one with a nested loop).
+The rows a lane computes are 1/lanes of a micro-batch's.
 
 The loop is a ``scan`` over iterations (compile time does not grow with m). Each layer keeps what
 ``remat_policy`` (the model's) keeps for its backward pass, and its input; an iteration keeps
@@ -45,15 +47,24 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from MaxText.parallel.axes import STAGE_AXIS
 
-STAGE_WEIGHTS = "pipeline_layer_weights"  # a layer's slice of the stage's weights: recomputed, never kept
 TRANSFER_SCOPE = "stage_transfer"  # the named scope of the stage transfers (op names carry it: aot/overlap.py)
 Params = Any
 LayerFn = Callable[[Params, jax.Array, Any], tuple[jax.Array, Any]]  # (a layer's params, x, side) -> (x, stats)
+
+
+# What a layer without a remat policy recomputes in the backward pass rather than keep: slices,
+# reshapes and casts, which is what its weights go through (a layer's slice of the stack, cast to
+# the compute dtype); kept, every iteration would hold a copy of its layers' weights.
+RECOMPUTED_COPIES = frozenset({"dynamic_slice", "slice", "squeeze", "reshape", "convert_element_type", "transpose"})
+
+
+def keep_all_but_copies(prim, *_, **__) -> bool:
+    """A remat policy: keep every value but those ``RECOMPUTED_COPIES`` makes."""
+    return prim.name not in RECOMPUTED_COPIES
 
 
 def bubble_fraction(stages: int, repeats: int, microbatches: int) -> float:
@@ -82,6 +93,8 @@ def from_stages(staged: Params) -> Params:
 def to_lanes(x_MB: jax.Array, lanes: int) -> list[jax.Array]:
     """[M, B, ...] -> ``lanes`` arrays [M, B / lanes, ...], lane l taking rows l, l + lanes, ... (a
     device's rows stay its own when each holds a multiple of ``lanes``)."""
+    if lanes == 1:
+        return [x_MB]
     M, B = x_MB.shape[:2]
     split = x_MB.reshape(M, B // lanes, lanes, *x_MB.shape[2:])
     return [split[:, :, lane] for lane in range(lanes)]
@@ -112,9 +125,9 @@ def circular_pipeline(
     none changes, such as positions), looked up by each stage rather than passed along.
     ``remat_policy`` (a ``jax.checkpoint_policies`` policy) is what each layer keeps for its
     backward pass besides its input, which it recomputes the rest from; None keeps everything but
-    the layer's weights. It runs inside
-    a ``shard_map`` that is manual over ``axis`` only: the other mesh axes (FSDP, experts, the batch
-    split) stay XLA's, as outside the pipeline."""
+    copies (``keep_all_but_copies``). The schedule runs inside a ``shard_map`` that is manual over
+    ``axis`` only: the other mesh axes (FSDP, experts, the batch split) stay XLA's, as outside the
+    pipeline."""
     R, stages = jax.tree.leaves(staged)[0].shape[:2]
     M, B = x_MB.shape[:2]
     if jax.sharding.get_abstract_mesh().shape.get(axis, 1) != stages:
@@ -131,20 +144,29 @@ def circular_pipeline(
             return jax.lax.ppermute(y, axis, ring)
 
     def layer_at(params, r, j, x, side):  # layer j of this stage's repeat r (params [R, 1, J, ...])
-        mine = jax.tree.map(lambda leaf: leaf[r, 0, j], params)
-        return layer_fn(checkpoint_name(mine, STAGE_WEIGHTS), x, side)
+        def pick_layer(leaf):
+            return jax.lax.dynamic_index_in_dim(jax.lax.dynamic_index_in_dim(leaf, r, 0, False)[0], j, 0, False)
 
-    # Each layer keeps what the remat policy keeps (with none, everything but its slice of the
-    # weights): its inputs are the loop-invariant stack and indices, so no iteration keeps a copy
-    # of its layers' weights, and nothing is recomputed beyond the policy's own rerun.
-    keep = remat_policy or jax.checkpoint_policies.save_anything_except_these_names(STAGE_WEIGHTS)
-    layer_at = jax.checkpoint(layer_at, policy=keep, prevent_cse=False)
+        return layer_fn(jax.tree.map(pick_layer, params), x, side)
+
+    # Each layer keeps what the remat policy keeps; its inputs are the loop-invariant stack and
+    # indices, so no iteration keeps a copy of its layers' weights, and nothing is recomputed
+    # beyond the policy's own rerun.
+    checkpointed_layer = jax.checkpoint(layer_at, policy=remat_policy or keep_all_but_copies, prevent_cse=False)
 
     def stage(params, r, x, side):  # this stage's J layers of repeat r on one lane of a micro-batch
         def one_layer(x, j):
-            return layer_at(params, r, j, x, side)
+            return checkpointed_layer(params, r, j, x, side)
 
-        return jax.lax.scan(one_layer, x, jnp.arange(jax.tree.leaves(params)[0].shape[2]))
+        layers = jnp.arange(jax.tree.leaves(params)[0].shape[2])
+        if lanes == 1:
+            return jax.lax.scan(one_layer, x, layers)
+        # With lanes, the first layer runs outside the layers' loop: XLA's scheduler puts a
+        # transfer under GEMMs of the iteration's own body, never under a nested loop, so these
+        # are what another lane's transfer can run under.
+        x, first = one_layer(x, 0)
+        x, rest = jax.lax.scan(one_layer, x, layers[1:])
+        return x, jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
 
     def local(params, x_MB, side_MB):  # one stage's view: params [R, 1, J, ...], every micro-batch
         s = jax.lax.axis_index(axis)
@@ -157,13 +179,13 @@ def circular_pipeline(
         def receive(arrived, t, waiting, x_M):
             """What this stage computes on in iteration ``t`` from what ``arrived`` from the previous
             stage for it, and stage 0's buffer of items back from the last stage: there ``arrived``
-            is item t - P's last pass, kept by micro-batch, and the input is a new micro-batch in
+            is item t - P's pass through the last stage, kept by micro-batch, and the input is a new micro-batch in
             the first repeat, else one back."""
             last = t - stages
             slot = jnp.mod(last, M)
-            keep = (s == 0) & (last >= 0) & (last < M * R)
+            kept = (s == 0) & (last >= 0) & (last < M * R)
             waiting = jax.lax.dynamic_update_index_in_dim(
-                waiting, jnp.where(keep, arrived, pick(waiting, slot)), slot, 0
+                waiting, jnp.where(kept, arrived, pick(waiting, slot)), slot, 0
             )
             first = jnp.where(t < M, pick(x_M, jnp.mod(t, M)), pick(waiting, jnp.mod(t, M)))
             return jnp.where(s == 0, first, arrived), waiting

@@ -51,9 +51,9 @@ from MaxText.planner.model import ModelSpec
 from MaxText.planner.systems import System
 
 GRAD_BYTES = 4
-EXCHANGE_PASSES = (
-    5  # sharded stacks: dispatch and combine forward, again in the remat rerun, backward; the rounds' one more
-)
+# Exchange passes per MoE layer of the sharded stacks: dispatch and combine forward, the remat
+# rerun's dispatch, and the backward's two.
+EXCHANGE_PASSES = 5
 WEIGHT_BYTES = 2
 
 
@@ -167,7 +167,7 @@ def collectives(
         out.append(Collective("vocabulary split", "vocab", sent, 0.0, link_seconds(sent, 0.0, system)))
     if sharded:
         m = layout.microbatches
-        gathers, scatters = circular.fsdp_passes(layout) if pipelined else (2 * m, m)
+        gathers, scatters = circular.fsdp_passes(spec, layout) if pipelined else (2 * m, m)
         if layout.size("fsdp", "expert") > 1:  # dense weights: gathered forward and backward, gradients scattered
             nvl, net, s = _gather(dense_full * WEIGHT_BYTES, layout, ("fsdp", "expert"), system, gathers)
             nvl2, net2, s2 = _gather(dense_full * grad_bytes, layout, ("fsdp", "expert"), system, scatters)

@@ -74,7 +74,8 @@ def math_times(
         factor = exchange_buffer_factor if layout.ep > 1 else 1.0
         row_bytes = factor * spec.top_k * spec.d_model * ACTIVATION_BYTES
         times["moe buffers"] = tokens * spec.moe_layers * row_bytes * stack.moe_buffer_passes / system.hbm_bw
-    times["host"] = layout.microbatches * (spec.layers / layout.pp) * stack.host_s_per_layer
+    lanes = spec.config.num_pipeline_lanes if spec.config is not None and layout.pp > 1 else 1
+    times["host"] = layout.microbatches * lanes * (spec.layers / layout.pp) * stack.host_s_per_layer
     if emulated:
         weights = spec.params_dense / (layout.tp * layout.pp) + spec.params_expert / layout.expert_shards
         moved = 2 * tokens * spec.fp8_gemm_io * extra + 2 * weights * layout.microbatches

@@ -5,7 +5,7 @@
              + the vocabulary split's token traffic x (1 - vocab_hidden)
              + dispatch x (1 - dispatch_overlap)                 } less what exchange_compute_overlap x
              + pipeline sends x (1 - dispatch_overlap)            } compute hides (DualPipe's schedule);
-                                                                    this repository's sends: exposed with one lane, hidden with lanes
+                                                                    this repository's sends: all exposed
              + max(0, fsdp - fsdp_overlap x compute)             (gathers hide behind other layers;
                                                                    fsdp x (1 - fsdp_hidden) for a stack
                                                                    whose schedule's share is measured)
@@ -180,11 +180,8 @@ def _time(
         for k in ("dispatch", "tensor", "vocab", "fsdp", "dp", "pipeline")
     }
     m = layout.microbatches
-    # this repository's stage transfers: under the next lane's layers with lanes, else exposed (docs/pipeline.md)
-    if circular.applies(spec, layout, stack):
-        sends = 0.0 if circular.transfers_hidden(spec) else by_kind["pipeline"]
-    else:
-        sends = by_kind["pipeline"] * (1 - stack.dispatch_overlap)
+    # this repository's stage transfers: counted exposed (XLA's schedule hides a part; docs/pipeline.md)
+    sends = by_kind["pipeline"] * (1 if circular.applies(spec, layout, stack) else 1 - stack.dispatch_overlap)
     dispatch = by_kind["dispatch"] * (1 - stack.dispatch_overlap)
     hidden = min(dispatch + sends, stack.exchange_compute_overlap * compute)  # under another chunk's math
     share = 1 - hidden / (dispatch + sends) if dispatch + sends else 0.0

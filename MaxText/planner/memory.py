@@ -132,7 +132,12 @@ def circular_pipeline_activation_bytes(spec: ModelSpec, layout: Layout) -> float
     m, pp, r, D = layout.microbatches, layout.pp, layout.vpp, spec.d_model
     stacked = spec.config.num_moe_layers
     batch = t * m / pp
-    inside = kept_per_token(spec, layout.remat, stacked / (pp * r)) * t * (m * r + pp - 1) + 4 * m * t * D
+    per_stage, iterations = stacked / (pp * r), m * r + pp - 1
+    if layout.remat == "full":  # every layer's input for every iteration, one lane's working set at a time
+        inside = D * per_stage * t * iterations + spec.act_layer * t / spec.config.num_pipeline_lanes
+    else:
+        inside = kept_per_token(spec, layout.remat, per_stage) * t * iterations
+    inside += 4 * m * t * D
     outside = kept_per_token(spec, layout.remat, spec.layers - stacked) * batch
     logits = batch * spec.vocab * 4 * 2 / spec.config.vocab_chunks
     return (inside + outside) * ACTIVATION_BYTES + logits

@@ -92,6 +92,7 @@ _RUN_KEYS = {
     **{parallelism_key(kind, axis): 1 for kind in ("ici", "dcn") for axis in MESH_AXES},
     "num_pipeline_microbatches": -1,
     "num_pipeline_repeats": 1,
+    "num_pipeline_lanes": 1,
 }
 
 
