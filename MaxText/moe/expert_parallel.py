@@ -197,13 +197,15 @@ def exchange_buffer_bytes(
     L = per_node or devices_per_node(config, ep)
     if exchange == "hierarchical" and L in (1, ep):  # one hop
         exchange = "ragged_all_to_all"
+    hop_inside = {}  # the two hops: the figures of the hop inside a node
     if exchange == "hierarchical":
         across, inside = two_hop_sizes(config, T, ep, L)
         C1, C2, M = across.plan.rows_per_pair, inside.plan.rows_per_pair, ep // L
         packed, slots = T * across.destinations + 1, M * (C1 + 1)
         # Across nodes as the ragged exchange (packed out, slots in, and back); inside a node,
         # slots on both sides, sized for the rows received across.
-        plan, inside_plan = across.plan, inside.plan
+        plan = across.plan
+        hop_inside = {"inside_rows_per_pair": inside.plan.rows_per_pair, "inside_rounds": inside.plan.rounds}
         rows = 4 * packed + 4 * slots + 8 * L * (C2 + 1)
         # Slots of T across nodes, and slots inside a node for every row that can hold a token.
         worst_rows = 4 * packed + 4 * M * (T + 1) + 8 * L * (M * T + 1)
@@ -222,18 +224,10 @@ def exchange_buffer_bytes(
     else:
         raise ValueError(f"moe_ep_comm {exchange!r}: no exchange buffers of this module to report")
     row_bytes = D * jnp.dtype(config.dtype).itemsize
-    inside = (
-        {}
-        if exchange != "hierarchical"
-        else {
-            "inside_rows_per_pair": inside_plan.rows_per_pair,
-            "inside_rounds": inside_plan.rounds,
-        }
-    )
     return {
         "rows_per_pair": plan.rows_per_pair,
         "rounds": plan.rounds,
-        **inside,
+        **hop_inside,
         "buffer_rows": rows,
         "buffer_bytes": rows * row_bytes,
         "worst_case_bytes": worst_rows * row_bytes,

@@ -90,6 +90,11 @@ def from_stages(staged: Params) -> Params:
     return jax.tree.map(lambda leaf: leaf.reshape(-1, *leaf.shape[3:]), staged)
 
 
+def _pick(a: jax.Array, i: jax.Array) -> jax.Array:
+    """Entry ``i`` of ``a``'s leading dim (a traced index)."""
+    return jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
+
+
 def to_lanes(x_MB: jax.Array, lanes: int) -> list[jax.Array]:
     """[M, B, ...] -> ``lanes`` arrays [M, B / lanes, ...], lane l taking rows l, l + lanes, ... (a
     device's rows stay its own when each holds a multiple of ``lanes``)."""
@@ -144,10 +149,7 @@ def circular_pipeline(
             return jax.lax.ppermute(y, axis, ring)
 
     def layer_at(params, r, j, x, side):  # layer j of this stage's repeat r (params [R, 1, J, ...])
-        def pick_layer(leaf):
-            return jax.lax.dynamic_index_in_dim(jax.lax.dynamic_index_in_dim(leaf, r, 0, False)[0], j, 0, False)
-
-        return layer_fn(jax.tree.map(pick_layer, params), x, side)
+        return layer_fn(jax.tree.map(lambda leaf: _pick(_pick(leaf, r)[0], j), params), x, side)
 
     # Each layer keeps what the remat policy keeps; its inputs are the loop-invariant stack and
     # indices, so no iteration keeps a copy of its layers' weights, and nothing is recomputed
@@ -173,21 +175,18 @@ def circular_pipeline(
         x_lanes = to_lanes(x_MB, lanes)
         side_lanes = [jax.tree.map(lambda a, lane=lane: to_lanes(a, lanes)[lane], side_MB) for lane in range(lanes)]
 
-        def pick(a, i):
-            return jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
-
         def receive(arrived, t, waiting, x_M):
             """What this stage computes on in iteration ``t`` from what ``arrived`` from the previous
             stage for it, and stage 0's buffer of items back from the last stage: there ``arrived``
-            is item t - P's pass through the last stage, kept by micro-batch, and the input is a new micro-batch in
-            the first repeat, else one back."""
+            is item t - P's pass through the last stage, kept by micro-batch, and the input is a new
+            micro-batch in the first repeat, else one back."""
             last = t - stages
             slot = jnp.mod(last, M)
             kept = (s == 0) & (last >= 0) & (last < M * R)
             waiting = jax.lax.dynamic_update_index_in_dim(
-                waiting, jnp.where(kept, arrived, pick(waiting, slot)), slot, 0
+                waiting, jnp.where(kept, arrived, _pick(waiting, slot)), slot, 0
             )
-            first = jnp.where(t < M, pick(x_M, jnp.mod(t, M)), pick(waiting, jnp.mod(t, M)))
+            first = jnp.where(t < M, _pick(x_M, jnp.mod(t, M)), _pick(waiting, jnp.mod(t, M)))
             return jnp.where(s == 0, first, arrived), waiting
 
         stats_shape = jax.eval_shape(stage, params, 0, x_lanes[0][0], jax.tree.map(lambda a: a[0], side_lanes[0]))[1]
@@ -210,8 +209,8 @@ def circular_pipeline(
             inputs, ready = [*ready, x_last], []
             for lane, x in enumerate(inputs):
                 # A bubble computes on a real micro-batch (finite: no 0 x inf in its backward pass).
-                x = jnp.where(busy, x, pick(x_lanes[lane], i))
-                y, layer_stats = stage(params, r, x, jax.tree.map(lambda a, lane=lane: pick(a, i), side_lanes[lane]))
+                x = jnp.where(busy, x, _pick(x_lanes[lane], i))
+                y, layer_stats = stage(params, r, x, jax.tree.map(lambda a, lane=lane: _pick(a, i), side_lanes[lane]))
                 stats = jax.tree.map(
                     lambda total, new: total.at[r].add(jnp.where(busy, new, jnp.zeros_like(new))), stats, layer_stats
                 )

@@ -20,6 +20,7 @@ GEMMs run at the bfloat16 rate (MX operands are exact in bfloat16).
 
 from __future__ import annotations
 
+from MaxText.planner import circular
 from MaxText.planner.constants import ACTIVATION_BYTES, GEMM_EFFICIENCY, QUANTIZE_BYTES, Stack
 from MaxText.planner.layout import Layout
 from MaxText.planner.model import ModelSpec
@@ -65,16 +66,16 @@ def math_times(
             rate = system.peak_flops("bf16") * speedup * efficiency
         else:
             rate = system.peak_flops(runs_at) * efficiency * (stack.grouped_scale if kind == "grouped" else 1.0)
-        rerun = 0.0
+        rerun = 0.0  # the routed experts' two input projections, once more, where the remat keeps them
         if kind == "grouped" and stack.routed_recompute and layout.remat in ("minimal", "selective"):
-            rerun = RECOMPUTE["full"] * 2 / 3  # their two input projections, once more
+            rerun = RECOMPUTE["full"] * 2 / 3
         times[kind] = tokens * flops * (extra + rerun) / rate
     times["elementwise"] = tokens * spec.act_none * ACTIVATION_BYTES * stack.elementwise_passes * extra / system.hbm_bw
     if stack.moe_buffer_passes:  # the exchange's slots and layouts take the factor; one device's layout, K rows
         factor = exchange_buffer_factor if layout.ep > 1 else 1.0
         row_bytes = factor * spec.top_k * spec.d_model * ACTIVATION_BYTES
         times["moe buffers"] = tokens * spec.moe_layers * row_bytes * stack.moe_buffer_passes / system.hbm_bw
-    lanes = spec.config.num_pipeline_lanes if spec.config is not None and layout.pp > 1 else 1
+    lanes = spec.config.num_pipeline_lanes if circular.applies(spec, layout, stack) else 1
     times["host"] = layout.microbatches * lanes * (spec.layers / layout.pp) * stack.host_s_per_layer
     if emulated:
         weights = spec.params_dense / (layout.tp * layout.pp) + spec.params_expert / layout.expert_shards
