@@ -29,6 +29,7 @@ from MaxText.aot.targets import TARGETS
 from MaxText.config import load_config
 from MaxText.models.accounting import memory_estimate
 from MaxText.planner.systems import SYSTEMS
+from MaxText.train import xla_memory
 from tests.conftest import gpu_kernel_cache, gpu_target_env, make_config
 from tools.aot_compile import read_recipe
 
@@ -101,6 +102,11 @@ def test_671b_on_gb200_holds_the_state_and_fits(gb200_recipe_cut):
     assert r["memory"]["total"] < 0.9 * TARGETS["gb200"].hbm_bytes
     assert r["topology"] == "1x16x4" and r["mesh"]["expert"] == 16
     assert r["warnings"] == []  # no involuntary full rematerialisation
+    # XLA planned for 95% of what the recipe's allocator share leaves after the state and batch
+    hbm, io = TARGETS["gb200"].hbm_bytes, r["memory"]["arguments"]
+    allocator = read_recipe(ROOT / GB200_RECIPE).memory_fraction * hbm
+    assert r["xla_slop"] == xla_memory.slop_for_allocator(hbm, allocator, io) > xla_memory.XLA_DEFAULT_SLOP
+    assert r["xla_budget"] == pytest.approx(io + 0.95 * (allocator - io), rel=0.01)
 
 
 def test_671b_on_gb200_runs_the_dropless_ideal_flops(gb200_recipe_cut):

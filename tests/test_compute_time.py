@@ -5,7 +5,7 @@ the GPU's published figures."""
 import numpy as np
 import pytest
 
-from MaxText.aot.compute_time import scope_of
+from MaxText.aot.compute_time import XLA_REMAT, scope_of
 from MaxText.aot.overlap import overlap
 from MaxText.planner.constants import GEMM_EFFICIENCY
 from MaxText.planner.systems import SYSTEMS
@@ -106,3 +106,29 @@ def test_loops_the_data_decides_are_counted_with_their_kernels():
     decided_by_data = PROGRAM.replace("%n = s32[] constant(3)", "%n = s32[] get-tuple-element(%q), index=0")
     b = overlap(decided_by_data, SYSTEMS["gb200-nvl72"], np.zeros(1, int)).compute
     assert (b["kernels"], b["data_dependent_iterations"], b["kernels_in_data_dependent_loops"]) == (3, 1, 2)
+
+
+def test_xla_rematerialisation_is_its_own_pass():
+    """A copy XLA's rematerialisation pass cloned (named ``<name>.remat2``, the op name of what it
+    cloned kept) is counted as XLA's recomputation, not as the forward pass its op name says."""
+    cloned = PROGRAM.replace("%c = ", "%c.remat2 = ").replace("tuple(%i, %c)", "tuple(%i, %c.remat2)")
+    b = overlap(cloned, SYSTEMS["gb200-nvl72"], np.zeros(1, int)).compute
+    experts = b["by_scope"]["moe_layers: moe/routed_experts"]
+    assert experts["bytes"] > 0 and experts["forward"] == 0
+    assert experts["xla remat"] == pytest.approx(experts["bytes"])
+    assert b["by_scope"]["moe_layers: attention"]["xla remat"] == 0
+
+
+@pytest.mark.parametrize(
+    "name, cloned",
+    [
+        ("gemm_fusion_dot.42.remat", True),
+        ("gemm_fusion_dot.42.remat2", True),
+        ("copy.7.remat.1", True),
+        ("rematted_computation.3", False),  # JAX's remat, named in op names, not XLA's clones
+        ("fusion.remat_move_to_host", False),
+        ("loop_add_fusion.423", False),
+    ],
+)
+def test_xla_clone_names(name, cloned):
+    assert bool(XLA_REMAT.search(name)) == cloned

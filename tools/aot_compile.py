@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 from MaxText.aot.targets import TARGETS  # noqa: E402  (imports no JAX: XLA_FLAGS are set below first)
+from MaxText.train.xla_memory import JAX_MEMORY_FRACTION, MEMORY_FRACTION_VARIABLES, memory_fraction  # noqa: E402
 
 WARNING_PATTERN = "Involuntary full rematerialization"
-JAX_MEMORY_FRACTION = 0.75  # JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION
 # XLA:CPU by default orders a program for thread concurrency, keeping more buffers alive at once
 # (the 4-layer 671B case: 43.2 GB of temp against 38.8); a GPU's latency-hiding scheduler works to
 # the device's memory limit. The memory-minimising order is the closer model of a GPU's peak.
@@ -108,7 +108,7 @@ class Recipe(NamedTuple):
     args: list[str]  # the training arguments (TRAIN_ARGS)
     devices: int  # GPUs
     xla_flags: list[str]  # the XLA_FLAGS the job runs with
-    memory_fraction: float  # XLA_PYTHON_CLIENT_MEM_FRACTION: the share of HBM JAX's allocator takes
+    memory_fraction: float  # XLA_(PYTHON_)CLIENT_MEM_FRACTION: the share of HBM JAX's allocator takes
 
 
 def read_recipe(path: Path) -> Recipe:
@@ -126,14 +126,14 @@ def read_recipe(path: Path) -> Recipe:
                 gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
                 devices = job.get("replicas", 1) * job["template"]["spec"].get("parallelism", 1) * gpus
                 env = {e["name"]: str(e.get("value", "")) for e in container.get("env", [])}
-                fraction = float(env.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_MEMORY_FRACTION))
+                fraction = memory_fraction(env)
                 args = _train_args("\n".join(container.get("args", [])))
                 return Recipe(args, devices, env.get("XLA_FLAGS", "").split(), fraction)
         raise SystemExit(f"error: no JobSet in {path}")
     sbatch = dict(re.findall(r"^#SBATCH\s+--([\w-]+)=(\S+)", text, re.M))
     devices = int(sbatch.get("nodes", 1)) * int(sbatch.get("ntasks-per-node", 1)) * int(sbatch.get("gpus-per-task", 1))
-    fraction = re.search(r"^export XLA_PYTHON_CLIENT_MEM_FRACTION=([\d.]+)", text, re.M)
-    fraction = float(fraction.group(1)) if fraction else JAX_MEMORY_FRACTION
+    exports = dict(re.findall(r"^export (\w+)=([\d.]+)\s*$", text, re.M))
+    fraction = memory_fraction({k: v for k, v in exports.items() if k in MEMORY_FRACTION_VARIABLES})
     return Recipe(_train_args(text), devices, _bash_array(text, "XLA_FLAG_LIST") or [], fraction)
 
 
@@ -203,7 +203,7 @@ def main(argv: list[str]) -> int:
     limit = hbm * recipe.memory_fraction if hbm and target and not args.hbm_gb else hbm
     try:
         with CaptureStderr() as captured:
-            report, compiled = compile_train_step(config, compile_devices, target)
+            report, compiled = compile_train_step(config, compile_devices, target, recipe.memory_fraction)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

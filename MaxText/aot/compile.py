@@ -53,8 +53,9 @@ from MaxText.parallel.platform import compiling_for
 from MaxText.parallel.sharding import axis_rules, batch_sharding
 from MaxText.planner.routing import expected_domains
 from MaxText.quantization.quantize import check_quantization
+from MaxText.train import xla_memory
 from MaxText.train.optimizer import make_optimizer
-from MaxText.train.preflight import abstract_batch, compiled_memory
+from MaxText.train.preflight import abstract_batch, compiled_memory, state_bytes_per_device
 from MaxText.train.state import abstract_train_state
 from MaxText.train.step import jit_train_step
 
@@ -274,15 +275,21 @@ def ragged_rows(config: Config, tokens_per_device: int, ep: int, exchange: str =
     return round(tokens_per_device * reached)
 
 
-def compile_train_step(config: Config, devices: list | None = None, target: GpuTarget | None = None):
+def compile_train_step(
+    config: Config,
+    devices: list | None = None,
+    target: GpuTarget | None = None,
+    memory_fraction: float = xla_memory.JAX_MEMORY_FRACTION,
+):
     """Lower and compile the train step for ``devices`` (default: every JAX device), which are a
-    GPU ``target``'s compile-only devices when one is given; return the report and the compiled
-    executable."""
+    GPU ``target``'s compile-only devices when one is given, with XLA planning for the
+    ``memory_fraction`` of the HBM that JAX's allocator takes (``train/xla_memory.py``); return the
+    report and the compiled executable."""
     if target is None:
         return _compile(*for_cpu_compile(config), list(devices if devices is not None else jax.devices()), None)
     check_quantization(config, "gpu", target.compute_capability)
     with compiling_for("gpu"), answering_device_queries(target, devices[0]):  # the model is traced from here on
-        return _compile(*for_gpu_compile(config), list(devices), target)
+        return _compile(*for_gpu_compile(config), list(devices), target, memory_fraction)
 
 
 @contextlib.contextmanager
@@ -301,18 +308,20 @@ def _without_persistent_cache() -> Iterator[None]:
         compilation_cache.reset_cache()
 
 
-def _compile_lowered(lowered: jax.stages.Lowered, dump_thunks: bool) -> tuple[jax.stages.Compiled, set[str] | None]:
+def _compile_lowered(
+    lowered: jax.stages.Lowered, dump_thunks: bool, options: dict
+) -> tuple[jax.stages.Compiled, set[str] | None]:
     """The compiled program, and for a GPU target the loops and conditionals its runtime decides
     on the host (``thunks.py``, from XLA's dump of the thunk sequence; None without one)."""
     with _without_persistent_cache():
         if not dump_thunks:
-            return lowered.compile(), None
+            return lowered.compile(compiler_options=options or None), None
         with tempfile.TemporaryDirectory(prefix="aot-dump-") as folder:
-            compiled = lowered.compile(compiler_options={"xla_dump_to": folder})
+            compiled = lowered.compile(compiler_options={**options, "xla_dump_to": folder})
             return compiled, read_dump(Path(folder))
 
 
-def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget | None):
+def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget | None, memory_fraction: float = 0.0):
     mesh = make_mesh(config, devices)
     model = DeepSeekV3(config)
     optimizer = make_optimizer(config)
@@ -329,8 +338,12 @@ def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget |
         t0 = time.perf_counter()
         lowered = step.lower(state, batch)
         t1 = time.perf_counter()
+        io_bytes = state_bytes_per_device(state) + state_bytes_per_device(batch)
+        options = {}
+        if target:  # XLA plans for the allocator's share of the HBM, as the training loop has it
+            options = xla_memory.compiler_options(target.hbm_bytes, memory_fraction * target.hbm_bytes, io_bytes)
         # custom partitioning (cuDNN attention) calls back into Python here
-        compiled, host_decided = _compile_lowered(lowered, dump_thunks=target is not None)
+        compiled, host_decided = _compile_lowered(lowered, target is not None, options)
         t2 = time.perf_counter()
     memory = compiled_memory(compiled)
     cost = compiled.cost_analysis()
@@ -376,5 +389,7 @@ def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget |
         compile_s=t2 - t1,
         pipeline=pipeline_summary(config),
         host_syncs=stats.host_syncs,
+        xla_budget=xla_memory.xla_budget(target.hbm_bytes, io_bytes, xla_memory.slop_used(options)) if target else 0.0,
+        xla_slop=xla_memory.slop_used(options) if target else 0,
     )
     return report, compiled

@@ -8,8 +8,10 @@ told from the GEMMs' and traced to the model code that asked for it:
 - scope: the layer stack and module from JAX's op name (``moe_layers: moe/routed_experts``,
   ``dense_layers: attention``, ``vocab_split``; ``step`` for the optimizer and the loss outside
   the model);
-- pass: ``forward``, ``recompute`` (rematerialised forward work inside the backward pass) or
-  ``backward``;
+- pass: ``forward``, ``recompute`` (forward work JAX's remat policy reruns inside the backward
+  pass), ``xla remat`` (work XLA's own rematerialisation pass cloned to bring the program under
+  the device's memory: instructions named ``<name>.remat``, ``<name>.remat2``, ..., which keep
+  the op name of what they clone) or ``backward``;
 - kind: ``GEMM`` (FLOP-bound matmuls and kernel calls), ``GEMM, bytes-bound`` (matmuls that
   move more than they compute), and for the rest what the fusion does: ``copy/transpose``,
   ``gather/scatter``, ``reduction``, ``elementwise``.
@@ -22,7 +24,8 @@ from collections import defaultdict
 
 from MaxText.aot.hlo_stats import CALLEE, Instr, op_name
 
-PASSES = ("forward", "recompute", "backward")
+PASSES = ("forward", "recompute", "xla remat", "backward")
+XLA_REMAT = re.compile(r"\.remat\d*(\.|$)")  # HloRematerialization's clones: "fusion.42.remat2"
 STACKS = ("moe_layers", "dense_layers", "mtp", "vocab_split")
 LARGEST = 15  # the biggest bytes-bound instructions listed
 _MOVES_ONLY = {"parameter", "copy", "transpose", "bitcast", "reshape", "tuple", "get-tuple-element", "constant"}
@@ -77,6 +80,8 @@ def compute_breakdown(model, comp: str = "ENTRY") -> dict:
         flop_bound = flops > 0 and gemm_seconds >= seconds * (1 - 1e-9)
         kind = kind_of(instr, model.comps, flop_bound, flops > 0)
         scope, step = scope_of(op_name(instr))
+        if XLA_REMAT.search(instr.name):
+            step = "xla remat"
         row = by_scope[scope]
         row["GEMM" if flop_bound else "bytes"] += seconds
         row[step] += seconds
@@ -109,14 +114,14 @@ def format_breakdown(b: dict) -> list[str]:
     lines = [
         f"computation time by scope (modelled; {b['seconds']:.3f} s, of which GEMMs at their FLOP rate"
         f" {b['gemm_seconds']:.3f} s)",
-        "  scope                                   GEMM s  bytes s  forward  recompute  backward",
+        "  scope                                   GEMM s  bytes s  forward  recompute  xla remat  backward",
     ]
     for scope, r in b["by_scope"].items():
         if r["GEMM"] + r["bytes"] < 1e-4:
             continue
         lines.append(
             f"  {scope:<38} {r['GEMM']:7.3f} {r['bytes']:8.3f} {r['forward']:8.3f} {r['recompute']:10.3f}"
-            f" {r['backward']:9.3f}"
+            f" {r['xla remat']:10.3f} {r['backward']:9.3f}"
         )
     lines.append("  by kind: " + ", ".join(f"{k} {v:.3f} s" for k, v in b["by_kind"].items()))
     lines.append(

@@ -50,6 +50,10 @@ class AotReport:
     pipeline: dict | None = None  # stages, repeats, microbatches, bubble (the share of iterations a stage idles)
     # where -> {"while", "conditional"}: data-dependent control flow per step (a host round-trip each on XLA:GPU)
     host_syncs: dict[str, dict[str, int]] = field(default_factory=dict)
+    # GPU targets: the bytes per device XLA planned the program for (train/xla_memory.py) and the
+    # slop factor that set them; a program past them was rematerialised by XLA to fit
+    xla_budget: float = 0.0
+    xla_slop: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -92,6 +96,7 @@ def format_report(r: AotReport, hbm_gb: float | None, limit_gb: float | None = N
         + (f"  of {hbm_gb:.0f} GB HBM" if hbm_gb else "")
         + (f" ({limit_gb:.0f} GB for JAX)" if limit_gb and hbm_gb and limit_gb < hbm_gb else ""),
         f"  state by parameter arithmetic / devices  {r.state_bytes / r.devices / GB:10.2f}",
+        *([f"  XLA:GPU planned for (slop factor {r.xla_slop}%)    {r.xla_budget / GB:10.2f}"] if r.xla_budget else []),
         "",
         "FLOPs per device per step                        TFLOP",
         f"  XLA cost_analysis (loops counted once)   {r.xla_flops / 1e12:10.2f}",

@@ -165,12 +165,17 @@ STACKS: dict[str, Stack] = {
             exchange="all_to_all",
             # Every term below is read from XLA:GPU's compiles of the two shipped recipes (GB200: 256
             # GPUs, 4 sequences per GPU, remat full, 4 exchange chunks; GB300: 1,024 GPUs, 2 per GPU,
-            # remat minimal, 2 chunks; docs/planner.md has the table), each share pooled over the two
-            # by link time: the part of each kind's modelled link time the schedule places
-            # computation against. The schedule's shares move with the program (docs/planner.md).
+            # remat minimal, 2 chunks; compiled with XLA's memory budget at the allocator's share,
+            # train/xla_memory.py; docs/planner.md has the table), each pooled over the two by link
+            # time: the part of each kind's modelled link time the schedule places computation
+            # against. The schedule's shares move with the program (docs/planner.md).
             dispatch_efficiency=0.80,  # XLA's collectives at the planner's COLLECTIVE_EFFICIENCY, as the AOT model
-            dispatch_overlap=0.30,  # the exchange's ragged-all-to-alls: 23% hidden on GB200, 45% on GB300
-            fsdp_overlap=0.0,  # replaced by fsdp_hidden
+            dispatch_overlap=0.29,  # the exchange's ragged-all-to-alls: 21% hidden on GB200, 45% on GB300
+            # FSDP as a capacity, not a share: the gathers and scatters a step hides are 0.136 of its
+            # computation time (GB200 0.76 s of 5.33, GB300 0.31 of 2.57), where their share of the
+            # link time runs from 31% (GB200 at 1 sequence per GPU) to 83% (4 per GPU): the same
+            # bytes per step, and a layer's traffic hides behind that layer's work
+            fsdp_overlap=0.136,
             dp_overlap=0.0,  # replaced by dp_hidden
             grouped_scale=1.0,  # tokamax's kernels, as te-jax
             # command buffers hold every loop; the exchange's overflow conditionals (about 3 per MoE
@@ -178,13 +183,12 @@ STACKS: dict[str, Stack] = {
             host_s_per_layer=0.0,
             fp8_dispatch=True,
             usable_hbm=0.9,
-            # gathers 70% hidden (the pipelined all-gather prefetches a layer ahead), scatters 23%
-            # (each layer's reduce-scatter waits inside its own iteration): 0.54 of their time together
-            fsdp_hidden=0.54,
-            # the gradient all-reduces over data, issued inside the layers' backward loop: 3% hidden on
-            # GB200, 76% on GB300 (the least stable share of the schedule)
-            dp_hidden=0.37,
-            vocab_hidden=0.10,  # the vocabulary split: 10% hidden on GB200, 8% on GB300
+            # the gradient all-reduces over data, issued inside the layers' backward loop: 95% hidden on
+            # GB200, 76% on GB300 (3% on GB200 when XLA planned for 80% of the HBM)
+            dp_hidden=0.86,
+            vocab_hidden=0.09,  # the vocabulary split: 10% hidden on GB200, 8% on GB300
+            # The computation terms below were read before XLA planned for the allocator's memory
+            # (they moved by under 4%: its recomputation, 0.2 s on GB200, is gone).
             # The bytes-bound time in the routed experts' scopes and the exchange's buffer copies
             # (1.07 s of GB200's step, 0.55 s of GB300's), over 59 MoE layers of ``moe_ep_buffer_factor``
             # x K x D x 2 bytes per token: 39 passes over those buffers per step

@@ -72,7 +72,7 @@ class Estimate:
     tflops: float
     tokens_per_s: float
     scaling_efficiency: float | None = None
-    pipeline_problem: str | None = None  # why the repository's pipeline cannot take this layout
+    split_problem: str | None = None  # why this repository cannot split the model as the layout says
 
     @property
     def fits(self) -> bool:
@@ -101,7 +101,7 @@ class Estimate:
             self.layout.runnable
             and self.stack.runs_here
             and self.precision in self.precisions_here
-            and self.pipeline_problem is None
+            and self.split_problem is None
         )
 
     @property
@@ -119,8 +119,8 @@ class Estimate:
                     "this repository's FP8 GEMMs are emulated, not fused FP8 kernels (plan with --fp8-kernels emulated)"
                 )
             return "this repository's fp8_blockwise emulates its GEMMs in float32 (numerics only); mxfp8 is planned"
-        if self.pipeline_problem:
-            return self.pipeline_problem
+        if self.split_problem:
+            return self.split_problem
         if not self.layout.runnable:
             return "remat policy or micro-batch this repository does not have"
         return None
@@ -250,5 +250,17 @@ def estimate(
         tflops,
         tokens_per_s,
         scaling_efficiency,
-        circular.split_problem(spec, layout) if layout.pp > 1 else None,
+        circular.split_problem(spec, layout) if layout.pp > 1 else _tensor_problem(spec, layout, stack),
     )
+
+
+# XLA:GPU's compile of the GB300 recipe's size as tensor 2 x expert 16 x fsdp 2 in each rack (data 16
+# across racks): the MoE layers' activations, split over tensor on their embed dim, cannot be
+# resharded to the exchange's layout, and XLA's partitioner replicates them ("involuntary full
+# rematerialization"): 758 GB per GPU, HLO matmul FLOPs 6.2x the accounting (docs/planner.md).
+TENSOR_WITH_EXPERTS = "tensor parallelism beside the MoE layers: XLA replicates their activations (docs/planner.md)"
+
+
+def _tensor_problem(spec: ModelSpec, layout: Layout, stack: Stack) -> str | None:
+    """Why this repository's own path cannot take the layout's tensor split, if it cannot."""
+    return TENSOR_WITH_EXPERTS if stack.runs_here and layout.tp > 1 and spec.num_experts > 1 else None
