@@ -55,7 +55,7 @@ from MaxText.planner.routing import expected_domains
 from MaxText.quantization.quantize import check_quantization
 from MaxText.train import xla_memory
 from MaxText.train.optimizer import make_optimizer
-from MaxText.train.preflight import abstract_batch, compiled_memory, state_bytes_per_device
+from MaxText.train.preflight import abstract_batch, compiled_memory, step_io_bytes
 from MaxText.train.state import abstract_train_state
 from MaxText.train.step import jit_train_step
 
@@ -321,7 +321,13 @@ def _compile_lowered(
             return compiled, read_dump(Path(folder))
 
 
-def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget | None, memory_fraction: float = 0.0):
+def _compile(
+    config: Config,
+    choice: Choices,
+    devices: list,
+    target: GpuTarget | None,
+    memory_fraction: float = xla_memory.JAX_MEMORY_FRACTION,
+):
     mesh = make_mesh(config, devices)
     model = DeepSeekV3(config)
     optimizer = make_optimizer(config)
@@ -338,7 +344,7 @@ def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget |
         t0 = time.perf_counter()
         lowered = step.lower(state, batch)
         t1 = time.perf_counter()
-        io_bytes = state_bytes_per_device(state) + state_bytes_per_device(batch)
+        io_bytes = step_io_bytes(state, batch)
         options = {}
         if target:  # XLA plans for the allocator's share of the HBM, as the training loop has it
             options = xla_memory.compiler_options(target.hbm_bytes, memory_fraction * target.hbm_bytes, io_bytes)
@@ -346,6 +352,7 @@ def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget |
         compiled, host_decided = _compile_lowered(lowered, target is not None, options)
         t2 = time.perf_counter()
     memory = compiled_memory(compiled)
+    slop = xla_memory.slop_used(options)  # the slop factor XLA planned the program with
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     block_trips = balanced_block_trips(config, routed_per_device, ep)
@@ -389,7 +396,7 @@ def _compile(config: Config, choice: Choices, devices: list, target: GpuTarget |
         compile_s=t2 - t1,
         pipeline=pipeline_summary(config),
         host_syncs=stats.host_syncs,
-        xla_budget=xla_memory.xla_budget(target.hbm_bytes, io_bytes, xla_memory.slop_used(options)) if target else 0.0,
-        xla_slop=xla_memory.slop_used(options) if target else 0,
+        xla_budget=xla_memory.xla_budget(target.hbm_bytes, io_bytes, slop) if target else 0.0,
+        xla_slop=slop if target else 0,
     )
     return report, compiled

@@ -18,7 +18,7 @@ from functools import partial
 
 from MaxText.config import ConfigError
 from MaxText.planner.constants import Stack
-from MaxText.planner.estimate import TENSOR_WITH_EXPERTS, Estimate, estimate
+from MaxText.planner.estimate import Estimate, estimate
 from MaxText.planner.layout import Layout
 from MaxText.planner.model import ModelSpec
 from MaxText.planner.systems import System
@@ -104,8 +104,8 @@ def search(
         if not est.fits:
             rejected["does not fit in HBM"] = rejected.get("does not fit in HBM", 0) + 1
             continue
-        if est.split_problem == TENSOR_WITH_EXPERTS:  # a split this repository's compile replicates
-            rejected["tensor beside experts"] = rejected.get("tensor beside experts", 0) + 1
+        if layout.pp == 1 and est.split_problem:  # a split this repository's own path cannot run
+            rejected["split not runnable here"] = rejected.get("split not runnable here", 0) + 1
             continue
         (ranked if layout.pp == 1 else pipelined).append(est)
     ranked = _rank(ranked)

@@ -47,7 +47,7 @@ from MaxText.train.health import Guards, TrainingHalted
 from MaxText.train.metrics import MetricsWriter, peak_tflops, throughput
 from MaxText.train.optimizer import make_optimizer
 from MaxText.train.preemption import PreemptionWatch
-from MaxText.train.preflight import abstract_batch, check_state_fits, check_step_fits, state_bytes_per_device
+from MaxText.train.preflight import abstract_batch, check_state_fits, check_step_fits, step_io_bytes
 from MaxText.train.profiler import StepProfiler
 from MaxText.train.state import TrainState, abstract_train_state, create_train_state
 from MaxText.train.step import jit_train_step, make_eval_step
@@ -194,8 +194,7 @@ def train(config: Config) -> RunResult:
         step_fn = jit_train_step(model, config, optimizer, state_shardings, batch_shards)
         inputs = abstract_batch(config, mesh)
         # on a GPU, XLA plans for the memory the allocator holds (train/xla_memory.py)
-        io_bytes = state_bytes_per_device(abstract) + state_bytes_per_device(inputs)
-        options = device_compiler_options(jax.local_devices()[0], io_bytes)
+        options = device_compiler_options(jax.local_devices()[0], step_io_bytes(abstract, inputs))
         compiled_step = step_fn.lower(abstract, inputs).compile(compiler_options=options or None)
         memory = check_step_fits(compiled_step, jax.local_devices())
         wait_for_every_process("step compiled")

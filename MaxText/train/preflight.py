@@ -88,6 +88,12 @@ def state_bytes_per_device(abstract_state) -> int:
     return total
 
 
+def step_io_bytes(abstract_state, batch) -> int:
+    """Bytes per device of the train step's inputs and outputs not aliased to them: the state
+    (donated: the new state takes its buffers) and the batch."""
+    return state_bytes_per_device(abstract_state) + state_bytes_per_device(batch)
+
+
 def check_state_fits(abstract_state, devices) -> None:
     need = state_bytes_per_device(abstract_state)
     have, source = device_capacity(devices)
