@@ -170,6 +170,7 @@ class Config(BaseModel):
     moe_ep_comm: Literal["auto", "allgather", "all_to_all", "ragged_all_to_all", "hierarchical", "te"]
     moe_ep_buffer_factor: Positive
     moe_exchange_chunks: Count
+    moe_exchange_pipeline: bool
     routed_score_func: Literal["sigmoid", "softmax"]
     routed_bias: bool
     routed_bias_update_rate: Decay

@@ -12,7 +12,7 @@ a quarter of the balanced share (a pair's slot holds 2 of the 8 rows all-to-one 
 rounds make them dropless; and ``all_to_all`` on expert 2 x tensor 2 x fsdp 2, where the tokens are
 split over tensor inside the exchange. ``ragged_all_to_all`` also runs with each device's tokens in
 two chunks (``moe_exchange_chunks``), each chunk exchanged, computed and given its overflow rounds
-on its own.
+on its own, the second chunk's experts chained after the first's (``moe_exchange_pipeline``).
 
 The overflow rounds run unrolled here (``dispatch.UNROLL_ROUNDS``): the same rounds, conditions
 and rematerialisation, each round its own collectives. In a loop, XLA:CPU's in-process collectives
@@ -142,6 +142,10 @@ def compiled(backend: str, exchange: str, *overrides: str):
                     M, L = config.dcn_expert_parallelism, config.ici_expert_parallelism
                     overflows = any(h.plan.rounds > 1 for h in two_hop_sizes(config, 8, M * L, L))
                 assert ("pmax" in jaxpr) == overflows
+                # Chunks are pipelined: each chunk's experts wait for the previous chunk's (one
+                # barrier per pair of chunks), and the barrier's transpose chains the backward.
+                chained = config.moe_exchange_chunks - 1 if config.moe_exchange_pipeline else 0
+                assert jaxpr.count("optimization_barrier") == 2 * chained
                 if exchange == "hierarchical":  # across nodes (one device of each), then inside each
                     M, L = config.dcn_expert_parallelism, config.ici_expert_parallelism
                     across = tuple(tuple(range(p, M * L, L)) for p in range(L))
@@ -173,8 +177,9 @@ CASES = [
     ("blocked", "ragged_all_to_all", *SMALL_BUFFERS),
     ("tokamax", "ragged_all_to_all", *SMALL_BUFFERS),  # tokamax's XLA reference kernels here
     ("blocked", "all_to_all", *TENSOR_MESH, "moe_ep_buffer_factor=0.5"),  # C = 4 of 8: overflows too
-    # Two chunks of 4 tokens per device, each exchanged on its own: C = 2, 2 rounds per chunk.
-    ("ragged_dot", "ragged_all_to_all", *SMALL_BUFFERS, "moe_exchange_chunks=2"),
+    # Two chunks of 4 tokens per device, each exchanged on its own (and the second's experts
+    # chained after the first's): C = 2, 2 rounds per chunk.
+    ("ragged_dot", "ragged_all_to_all", *SMALL_BUFFERS, "moe_exchange_chunks=2", "moe_exchange_pipeline=true"),
     # Two hops: over 2 nodes of 2 devices (and fsdp 2), one round each with the default buffers;
     # over 2 nodes of 4, factor 1/2 gives 2 rounds across nodes and 2 inside them; over 4 nodes of
     # 2, where node-limited routing bounds a token to 2 of the 4 nodes (a node's 4 experts are one
@@ -355,6 +360,19 @@ def test_exchange_chunks_are_refused_where_the_exchange_is_not_chunked():
     config = make_config("moe_ep_comm=te", "moe_exchange_chunks=2", *MESH)
     with pytest.raises(ConfigError, match="'moe_exchange_chunks': 2, but moe_ep_comm resolves to te"):
         check_backend(config, "gpu")
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_chunks_are_chained_only_when_pipelined(pipeline):
+    """``moe_exchange_pipeline`` chains chunk c's experts after chunk c - 1's, forward and
+    backward: one barrier per pair of chunks in each pass; without it the chunks are independent."""
+    keys = ("moe_ep_comm=all_to_all", *MESH, "moe_exchange_chunks=4", f"moe_exchange_pipeline={str(pipeline).lower()}")
+    config = backend_config("ragged_dot", *keys)
+    params = random_params(config)
+    bias, x = jnp.zeros((config.num_experts,)), jnp.ones((B, S, config.emb_dim))
+    with jax.set_mesh(make_mesh(config, jax.devices())), nn.logical_axis_rules(axis_rules(config)):
+        jaxpr = str(jax.make_jaxpr(partial(block_and_grads, config))(params, bias, x))
+    assert jaxpr.count("optimization_barrier") == (2 * 3 if pipeline else 0)
 
 
 def test_exchange_chunks_must_divide_a_devices_tokens():

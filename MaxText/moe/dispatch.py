@@ -178,10 +178,16 @@ def row_weights(weights_TK: jax.Array, layout: BlockLayout) -> jax.Array:
 UNROLL_ROUNDS = False
 
 
-def in_rounds(round_fn: Callable[[jax.Array | int], jax.Array], load: jax.Array, per_round: int, rounds: int):
-    """``round_fn(0)`` plus the further rounds ``1 .. rounds - 1`` that ``load`` items, taken
-    ``per_round`` at a time, need. Buffers are sized for one round; nothing is dropped: an
-    overflow costs time, not memory.
+def in_rounds(
+    round_fn: Callable[[jax.Array | int], jax.Array],
+    load: jax.Array,
+    per_round: int,
+    rounds: int,
+    first: jax.Array | None = None,
+):
+    """``round_fn(0)`` (or ``first``, where the caller ran it) plus the further rounds
+    ``1 .. rounds - 1`` that ``load`` items, taken ``per_round`` at a time, need. Buffers are
+    sized for one round; nothing is dropped: an overflow costs time, not memory.
 
     The further rounds run in a loop of a fixed trip count, each under a ``lax.cond`` that skips
     it once the load is covered, and the whole loop under one that skips it when the first round
@@ -190,7 +196,7 @@ def in_rounds(round_fn: Callable[[jax.Array | int], jax.Array], load: jax.Array,
     (``_further_rounds``) reruns each needed round in a loop of the same shape, so no round keeps
     residuals and none are stacked per iteration (which XLA would slice per iteration, keeping
     the backward loop out of a command buffer)."""
-    y = round_fn(0)
+    y = round_fn(0) if first is None else first
     if rounds == 1:
         return y
     # The further rounds' function with every value it closes over made an input (the custom VJP

@@ -58,7 +58,7 @@ S = C + 1 rows per slot (the last always zero), R = ep * S slot rows, N packed s
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from functools import partial
 from typing import NamedTuple
 
@@ -322,7 +322,12 @@ def _exchange_round(
     """One round on one device: send round r's rows to their experts' devices in ``hop``, compute
     them there (``compute``: the backend, or the two-hop exchange's second hop), send the partial
     outputs back; returns this round's part of every token's output [T, D]. ``packed``
-    (ragged_all_to_all) is the packed send layout, else whole slots move (all_to_all)."""
+    (ragged_all_to_all) is the packed send layout, else whole slots move (all_to_all).
+
+    A generator (``run`` runs it through): it yields the rows it received before computing them,
+    and the partial outputs before sending them back, and goes on with what it is sent, so that
+    ``_pipelined_chunks`` can order one chunk's computation after another's (``run`` sends each
+    back unchanged)."""
     experts_per_device = routes.experts_per_device
     token_R, destination_R, valid_R, row_Td, copy_R, send_sizes = _round_slots(routes, r, C)
     recv_sizes = jnp.clip(recv_total - r * C, 0, C)
@@ -355,7 +360,9 @@ def _exchange_round(
     local_RJ, active_RJ, weights_RJ = (hop.all_to_all(a) for a in (local_RJ, active_RJ, weights_RJ))
 
     # Compute the received copies on the local experts; one weighted partial output per row.
+    x_RD = yield x_RD
     y_RD = compute(x_RD, local_RJ, active_RJ, weights_RJ, wi_0, wi_1, wo, config, capacity=capacity)
+    y_RD = yield y_RD
 
     # Inbound: partial outputs back to their tokens, summed over the devices that computed them.
     if packed is None:
@@ -399,7 +406,8 @@ class HopSizes(NamedTuple):
 
 
 def _slot_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, compute, hop: Hop, sizes: HopSizes, ragged):
-    """Per device: the first round always; the rest only if some pair of the group overflows ``C``."""
+    """Per device: the first round always; the rest only if some pair of the group overflows ``C``.
+    A generator that pauses in the first round as ``_exchange_round`` does."""
     T, plan = experts_TK.shape[0], sizes.plan
     routes = _routes(experts_TK, sizes.experts_per_device, hop.size, plan)
     recv_total = hop.all_to_all(routes.sizes_d)
@@ -412,9 +420,9 @@ def _slot_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, compute,
     # The fullest pair decides the rounds, the same on every device of the expert axis (C = T:
     # one round holds any routing, and no predicate is needed).
     fullest = jax.lax.pmax(routes.sizes_d.max(), hop.axis) if plan.rounds > 1 else 0
-    return in_rounds(
-        lambda r: _exchange_round(r, routes, recv_total, packed, *args), fullest, plan.rows_per_pair, plan.rounds
-    )
+    first = yield from _exchange_round(0, routes, recv_total, packed, *args)
+    further = lambda r: run(_exchange_round(r, routes, recv_total, packed, *args))  # noqa: E731
+    return in_rounds(further, fullest, plan.rows_per_pair, plan.rounds, first=first)
 
 
 def _flat_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis, ragged):
@@ -509,7 +517,7 @@ def _two_hop_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local
         del capacity  # the sizes carry it
         experts_RJ = jnp.where(active_RJ, local_RJ, experts_per_node)  # inactive: no device of the node
         args = (x_RD, experts_RJ, weights_RJ, wi_0, wi_1, wo, config, local_experts, inside, inside_sizes)
-        return _slot_experts(*args, ragged=False)
+        return run(_slot_experts(*args, ragged=False))
 
     args = (x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, inside_node, across, across_sizes)
     return _slot_experts(*args, ragged=ragged)
@@ -534,23 +542,60 @@ def _own_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_exp
     return local_experts(x_TD, local_TK, active_TK, weights_TK, wi_0, wi_1, wo, config, capacity=capacity)
 
 
-def _chunked(exchange_fn: Callable[..., jax.Array], chunks: int, x_TD, experts_TK, weights_TK, *rest, **kw):
-    """``exchange_fn`` on ``chunks`` slices of a device's tokens in turn, outputs concatenated.
-    The chunks do not depend on each other, so XLA's latency-hiding scheduler may run one
-    chunk's dispatch or combine while another chunk's experts compute: the overlap DeepSeek's
-    DualPipe and Megatron's overlapped all-to-all get by hand. Each chunk sizes its buffers for
-    its own tokens (and agrees on its own rounds), so the buffers shrink by ``chunks``."""
+def run(steps: Generator) -> jax.Array:
+    """An exchange's generator (``_exchange_round``, ``_slot_experts``) run through: what it
+    yields is sent back unchanged; its return value is the exchange's output."""
+    try:
+        value = next(steps)
+        while True:
+            value = steps.send(value)
+    except StopIteration as done:
+        return done.value
+
+
+def _pipelined_chunks(chunks: list[Generator]) -> list[jax.Array]:
+    """The chunks' exchanges with each chunk's expert computation ordered after the previous
+    chunk's, through an ``optimization_barrier`` that also holds the previous chunk's partial
+    outputs until this chunk's rows have arrived. Chunk c's dispatch then depends on nothing of
+    chunk c - 1 and can run under its experts, and chunk c - 1's combine under chunk c's experts:
+    without the chain XLA:GPU fused the chunks' layout gathers into one kernel (they were
+    independent), which waited for every chunk's dispatch. The barrier's transpose chains the
+    backward pass the other way round. The numbers are those of the chunks run one by one."""
+    received = [next(steps) for steps in chunks]  # every chunk's dispatch
+    computed = []
+    for c, steps in enumerate(chunks):
+        if c:  # chunk c computes after chunk c - 1, whose outputs go back once c's rows are in
+            received[c], computed[c - 1] = jax.lax.optimization_barrier((received[c], computed[c - 1]))
+        computed.append(steps.send(received[c]))
+    outputs = []
+    for steps, y_RD in zip(chunks, computed, strict=True):
+        try:
+            steps.send(y_RD)
+            raise RuntimeError("an exchange round paused more than twice")
+        except StopIteration as done:
+            outputs.append(done.value)
+    return outputs
+
+
+def _chunked(
+    exchange_fn: Callable[..., Generator], chunks: int, pipelined: bool, x_TD, experts_TK, weights_TK, *rest, **kw
+):
+    """``exchange_fn`` on ``chunks`` slices of a device's tokens, outputs concatenated. Each chunk
+    sizes its buffers for its own tokens (and agrees on its own rounds), so the buffers shrink by
+    ``chunks``. ``pipelined`` chains the chunks' first rounds (``_pipelined_chunks``), so that one
+    chunk's dispatch and another's combine can run while a third's experts compute: the overlap
+    DeepSeek's DualPipe and Megatron's overlapped all-to-all get by hand."""
     T = x_TD.shape[0]
     if chunks == 1:
-        return exchange_fn(x_TD, experts_TK, weights_TK, *rest, **kw)
+        return run(exchange_fn(x_TD, experts_TK, weights_TK, *rest, **kw))
     if T % chunks:
         raise ValueError(f"moe_exchange_chunks={chunks} does not divide the {T} tokens each device exchanges")
     size = T // chunks
-    parts = [
+    steps = [
         exchange_fn(*(a[c * size : (c + 1) * size] for a in (x_TD, experts_TK, weights_TK)), *rest, **kw)
         for c in range(chunks)
     ]
-    return jnp.concatenate(parts)
+    return jnp.concatenate(_pipelined_chunks(steps) if pipelined else [run(s) for s in steps])
 
 
 def exchange_token_axes(num_tokens: int, axis: str) -> tuple[str, ...]:
@@ -600,7 +645,8 @@ def expert_parallel_experts(
         if exchange == "allgather":
             return _allgather_experts(*args)
         exchange_fn = _two_hop_experts if exchange == "hierarchical" else _flat_experts
-        return _chunked(exchange_fn, config.moe_exchange_chunks, *args, ragged=ragged)
+        chunks, pipelined = config.moe_exchange_chunks, config.moe_exchange_pipeline
+        return _chunked(exchange_fn, chunks, pipelined, *args, ragged=ragged)
 
     return jax.shard_map(
         per_device,
