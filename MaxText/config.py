@@ -383,6 +383,11 @@ def check_rules(c: Config) -> None:
         f" ({c.per_device_batch_size * c.max_target_length}) tokens",
     )
     _require(
+        not c.moe_exchange_pipeline or c.moe_exchange_chunks > 1,
+        "moe_exchange_pipeline",
+        "true chains the exchange's chunks, but moe_exchange_chunks is 1 (set it to 2 or more, or this to false)",
+    )
+    _require(
         c.max_target_length % c.vocab_chunks == 0,
         "vocab_chunks",
         f"{c.vocab_chunks} slices do not divide max_target_length ({c.max_target_length})",

@@ -199,6 +199,7 @@ IDS = [
     "-".join(c[:2])
     + next((suffix for key, suffix in SUFFIXES if key in c), "")  # the first that matches
     + ("-chunks" if "moe_exchange_chunks=2" in c else "")
+    + ("-pipelined" if "moe_exchange_pipeline=true" in c else "")
     for c in CASES
 ]
 
@@ -373,6 +374,51 @@ def test_chunks_are_chained_only_when_pipelined(pipeline):
     with jax.set_mesh(make_mesh(config, jax.devices())), nn.logical_axis_rules(axis_rules(config)):
         jaxpr = str(jax.make_jaxpr(partial(block_and_grads, config))(params, bias, x))
     assert jaxpr.count("optimization_barrier") == (2 * 3 if pipeline else 0)
+
+
+def test_pipelined_chunks_chain_each_chunks_experts_after_the_last():
+    """On stand-in exchanges (sin: the dispatch, cos: the experts, exp: the combine), each barrier
+    pairs chunk c's received rows with chunk c - 1's partial outputs; its first output feeds chunk
+    c's experts and its second chunk c - 1's combine; the outputs are the chunks' own."""
+
+    def chunk(a):
+        x = yield jnp.sin(a)
+        y = yield jnp.cos(x)
+        return jnp.exp(y)
+
+    def three_chunks(*inputs):
+        return exchange_module._pipelined_chunks([chunk(a) for a in inputs])
+
+    inputs = [jnp.full((2,), float(c)) for c in range(3)]
+    for c, out in enumerate(three_chunks(*inputs)):
+        np.testing.assert_allclose(out, np.exp(np.cos(np.sin(float(c)))), rtol=1e-6)
+    jaxpr = jax.make_jaxpr(three_chunks)(*inputs).jaxpr
+    made_by = {v: e for e in jaxpr.eqns for v in e.outvars}
+    used_by = {}
+    for e in jaxpr.eqns:
+        for v in e.invars:
+            used_by.setdefault(v, []).append(e)
+
+    def source(v):  # the input a stand-in op was applied to, through earlier barriers
+        e = made_by.get(v)
+        if e is None:
+            return jaxpr.invars.index(v)
+        if e.primitive.name == "optimization_barrier":
+            return source(e.invars[e.outvars.index(v)])
+        return (e.primitive.name, source(e.invars[0]))
+
+    barriers = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+    assert len(barriers) == 2
+    for c, barrier in enumerate(barriers, start=1):
+        assert source(barrier.invars[0]) == ("sin", c)  # chunk c's received rows
+        assert source(barrier.invars[1]) == ("cos", ("sin", c - 1))  # chunk c - 1's partial outputs
+        assert [e.primitive.name for e in used_by[barrier.outvars[0]]] == ["cos"]  # chunk c's experts
+        assert [e.primitive.name for e in used_by[barrier.outvars[1]]] == ["exp"]  # chunk c - 1's combine
+
+
+def test_pipeline_needs_chunks():
+    with pytest.raises(ConfigError, match="moe_exchange_pipeline"):
+        make_config("moe_exchange_pipeline=true")
 
 
 def test_exchange_chunks_must_divide_a_devices_tokens():

@@ -84,6 +84,11 @@ def dispatch_quantized(x_TD: jax.Array, config: Config) -> jax.Array:
     return x_TD if fp8 is None else fp8_moved(None, fp8, x_TD, ())
 
 
+# An exchange as a generator: it yields twice (the rows it received, then its experts' partial
+# outputs), is sent back what should be used in their place, and returns its output.
+Exchange = Generator[jax.Array, jax.Array, jax.Array]
+
+
 # The routed experts' weights' logical axes (block.py).
 WI_AXES, WO_AXES = ("exp", "embed", "mlp"), ("exp", "mlp", "embed")
 # The weights' FSDP gather inside the exchange's shard_map runs under this name (JAX's op names
@@ -318,16 +323,16 @@ def _local_copies(local_RK: jax.Array, valid_R: jax.Array, weights_RK: jax.Array
 
 def _exchange_round(
     r, routes, recv_total, packed, x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, compute, hop, C, capacity
-):
+) -> Exchange:
     """One round on one device: send round r's rows to their experts' devices in ``hop``, compute
     them there (``compute``: the backend, or the two-hop exchange's second hop), send the partial
     outputs back; returns this round's part of every token's output [T, D]. ``packed``
     (ragged_all_to_all) is the packed send layout, else whole slots move (all_to_all).
 
-    A generator (``run`` runs it through): it yields the rows it received before computing them,
-    and the partial outputs before sending them back, and goes on with what it is sent, so that
-    ``_pipelined_chunks`` can order one chunk's computation after another's (``run`` sends each
-    back unchanged)."""
+    A generator (``Exchange``): it yields the rows it received before computing them, and the
+    partial outputs before sending them back, and goes on with what it is sent, so that
+    ``_pipelined_chunks`` can order one chunk's computation after another's (``_run_through``
+    sends each back unchanged)."""
     experts_per_device = routes.experts_per_device
     token_R, destination_R, valid_R, row_Td, copy_R, send_sizes = _round_slots(routes, r, C)
     recv_sizes = jnp.clip(recv_total - r * C, 0, C)
@@ -405,7 +410,9 @@ class HopSizes(NamedTuple):
     capacity: int  # the copies the experts' layout holds per pass (``layout_capacity``)
 
 
-def _slot_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, compute, hop: Hop, sizes: HopSizes, ragged):
+def _slot_experts(
+    x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, compute, hop: Hop, sizes: HopSizes, ragged
+) -> Exchange:
     """Per device: the first round always; the rest only if some pair of the group overflows ``C``.
     A generator that pauses in the first round as ``_exchange_round`` does."""
     T, plan = experts_TK.shape[0], sizes.plan
@@ -421,12 +428,16 @@ def _slot_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, compute,
     # one round holds any routing, and no predicate is needed).
     fullest = jax.lax.pmax(routes.sizes_d.max(), hop.axis) if plan.rounds > 1 else 0
     first = yield from _exchange_round(0, routes, recv_total, packed, *args)
-    further = lambda r: run(_exchange_round(r, routes, recv_total, packed, *args))  # noqa: E731
+
+    def further(r):  # the overflow rounds run straight through: only the first one pauses
+        return _run_through(_exchange_round(r, routes, recv_total, packed, *args))
+
     return in_rounds(further, fullest, plan.rows_per_pair, plan.rounds, first=first)
 
 
-def _flat_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis, ragged):
-    """One hop: every device of the expert axis sends straight to every other."""
+def _flat_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis, ragged) -> Exchange:
+    """One hop: every device of the expert axis sends straight to every other (a generator:
+    ``_slot_experts``)."""
     T, K = experts_TK.shape
     hop = whole_axis(axis)
     plan = exchange_plan(T, K, hop.size, config.moe_ep_buffer_factor)
@@ -493,7 +504,7 @@ def two_hop_sizes(config: Config, tokens: int, ep: int, per_node: int) -> tuple[
     return across, inside
 
 
-def _two_hop_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis, ragged):
+def _two_hop_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis, ragged) -> Exchange:
     """Two hops, as DeepSeek-V3 trained: a token crosses the network once per node that holds
     one of its experts (to the device with the sender's place in that node), and that device
     forwards it to the node's devices holding them. The partial outputs come back the same way,
@@ -517,7 +528,7 @@ def _two_hop_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local
         del capacity  # the sizes carry it
         experts_RJ = jnp.where(active_RJ, local_RJ, experts_per_node)  # inactive: no device of the node
         args = (x_RD, experts_RJ, weights_RJ, wi_0, wi_1, wo, config, local_experts, inside, inside_sizes)
-        return run(_slot_experts(*args, ragged=False))
+        return _run_through(_slot_experts(*args, ragged=False))
 
     args = (x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, inside_node, across, across_sizes)
     return _slot_experts(*args, ragged=ragged)
@@ -542,7 +553,7 @@ def _own_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_exp
     return local_experts(x_TD, local_TK, active_TK, weights_TK, wi_0, wi_1, wo, config, capacity=capacity)
 
 
-def run(steps: Generator) -> jax.Array:
+def _run_through(steps: Exchange) -> jax.Array:
     """An exchange's generator (``_exchange_round``, ``_slot_experts``) run through: what it
     yields is sent back unchanged; its return value is the exchange's output."""
     try:
@@ -553,14 +564,17 @@ def run(steps: Generator) -> jax.Array:
         return done.value
 
 
-def _pipelined_chunks(chunks: list[Generator]) -> list[jax.Array]:
-    """The chunks' exchanges with each chunk's expert computation ordered after the previous
-    chunk's, through an ``optimization_barrier`` that also holds the previous chunk's partial
-    outputs until this chunk's rows have arrived. Chunk c's dispatch then depends on nothing of
-    chunk c - 1 and can run under its experts, and chunk c - 1's combine under chunk c's experts:
-    without the chain XLA:GPU fused the chunks' layout gathers into one kernel (they were
-    independent), which waited for every chunk's dispatch. The barrier's transpose chains the
-    backward pass the other way round. The numbers are those of the chunks run one by one."""
+def _pipelined_chunks(chunks: list[Exchange]) -> list[jax.Array]:
+    """The chunks' exchanges, each chunk's experts waiting for the previous chunk's to finish,
+    through an ``optimization_barrier`` that also holds the previous chunk's partial outputs until
+    this chunk's rows have arrived. Chunk c's dispatch then depends on nothing of chunk c - 1 and
+    can run under its experts, and chunk c - 1's combine under chunk c's experts. (Independent,
+    the chunks' layout gathers were fused into one kernel in XLA:GPU's compile of the GB200
+    recipe, which waited for every chunk's dispatch.) The barrier's transpose chains the backward
+    pass the other way round; under remat the recomputed forward is chained too. Only the first
+    round of each chunk is chained (the overflow rounds run straight through), and in the two-hop
+    exchange the chained computation is the whole hop inside a node. The barrier is an identity:
+    the outputs are those of the chunks run one by one."""
     received = [next(steps) for steps in chunks]  # every chunk's dispatch
     computed = []
     for c, steps in enumerate(chunks):
@@ -578,7 +592,7 @@ def _pipelined_chunks(chunks: list[Generator]) -> list[jax.Array]:
 
 
 def _chunked(
-    exchange_fn: Callable[..., Generator], chunks: int, pipelined: bool, x_TD, experts_TK, weights_TK, *rest, **kw
+    exchange_fn: Callable[..., Exchange], chunks: int, pipelined: bool, x_TD, experts_TK, weights_TK, *rest, **kw
 ):
     """``exchange_fn`` on ``chunks`` slices of a device's tokens, outputs concatenated. Each chunk
     sizes its buffers for its own tokens (and agrees on its own rounds), so the buffers shrink by
@@ -587,7 +601,7 @@ def _chunked(
     DeepSeek's DualPipe and Megatron's overlapped all-to-all get by hand."""
     T = x_TD.shape[0]
     if chunks == 1:
-        return run(exchange_fn(x_TD, experts_TK, weights_TK, *rest, **kw))
+        return _run_through(exchange_fn(x_TD, experts_TK, weights_TK, *rest, **kw))
     if T % chunks:
         raise ValueError(f"moe_exchange_chunks={chunks} does not divide the {T} tokens each device exchanges")
     size = T // chunks
@@ -595,7 +609,7 @@ def _chunked(
         exchange_fn(*(a[c * size : (c + 1) * size] for a in (x_TD, experts_TK, weights_TK)), *rest, **kw)
         for c in range(chunks)
     ]
-    return jnp.concatenate(_pipelined_chunks(steps) if pipelined else [run(s) for s in steps])
+    return jnp.concatenate(_pipelined_chunks(steps) if pipelined else [_run_through(s) for s in steps])
 
 
 def exchange_token_axes(num_tokens: int, axis: str) -> tuple[str, ...]:
