@@ -553,15 +553,20 @@ def _own_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_exp
     return local_experts(x_TD, local_TK, active_TK, weights_TK, wi_0, wi_1, wo, config, capacity=capacity)
 
 
-def _run_through(steps: Exchange) -> jax.Array:
-    """An exchange's generator (``_exchange_round``, ``_slot_experts``) run through: what it
-    yields is sent back unchanged; its return value is the exchange's output."""
+def _finish(steps: Exchange, y_RD: jax.Array) -> jax.Array:
+    """An exchange paused at its partial outputs, sent ``y_RD`` in their place and run to its end:
+    its output."""
     try:
-        value = next(steps)
-        while True:
-            value = steps.send(value)
+        steps.send(y_RD)
     except StopIteration as done:
         return done.value
+    raise RuntimeError("an exchange paused more than twice")
+
+
+def _run_through(steps: Exchange) -> jax.Array:
+    """An exchange's generator (``_exchange_round``, ``_slot_experts``) run through, what it
+    yields sent back unchanged: its output."""
+    return _finish(steps, steps.send(next(steps)))
 
 
 def _pipelined_chunks(chunks: list[Exchange]) -> list[jax.Array]:
@@ -581,14 +586,7 @@ def _pipelined_chunks(chunks: list[Exchange]) -> list[jax.Array]:
         if c:  # chunk c computes after chunk c - 1, whose outputs go back once c's rows are in
             received[c], computed[c - 1] = jax.lax.optimization_barrier((received[c], computed[c - 1]))
         computed.append(steps.send(received[c]))
-    outputs = []
-    for steps, y_RD in zip(chunks, computed, strict=True):
-        try:
-            steps.send(y_RD)
-            raise RuntimeError("an exchange round paused more than twice")
-        except StopIteration as done:
-            outputs.append(done.value)
-    return outputs
+    return [_finish(steps, y_RD) for steps, y_RD in zip(chunks, computed, strict=True)]
 
 
 def _chunked(
