@@ -37,6 +37,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from MaxText.config import ConfigError
 from MaxText.moe import dispatch
@@ -539,3 +540,39 @@ def test_fp8_dispatch_sends_bytes_and_changes_no_number(recipe, case, monkeypatc
     # ... and the FP8 path differs from the unquantized one by FP8's rounding, no more.
     error = float(jnp.linalg.norm(y_one - y_plain) / jnp.linalg.norm(y_plain))
     assert 1e-4 < error < 2 * 2.0**-4
+
+
+def _eqns_outside_loops(jaxpr):
+    """Every equation of ``jaxpr`` and the jaxprs it calls, but those inside a scan or while."""
+    for e in jaxpr.eqns:
+        if e.primitive.name in ("scan", "while"):
+            continue
+        yield e
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            yield from _eqns_outside_loops(sub)
+
+
+def test_exchange_buffers_are_made_inside_the_layers_loop():
+    """The zeros a ``ragged_all_to_all`` lands in stay inside the scanned layers, forward and
+    backward: hoisted out of the loop as a constant, every in-place exchange into one would copy
+    it first, and the loop would hold each hoisted buffer throughout."""
+    ep, rows, D = 4, 12, 8
+    hop = exchange_module.Hop("expert", ep)
+    mesh = jax.make_mesh((ep,), ("expert",), (jax.sharding.AxisType.Auto,), devices=jax.devices()[:ep])
+
+    def per_device(x_ND, w_DD):
+        sizes = jnp.full((ep,), 2, jnp.int32)  # 2 rows from each device to each, into slots of 3
+        starts, here = jnp.arange(ep, dtype=jnp.int32) * 2, jnp.full((ep,), hop.index() * 3, jnp.int32)
+        landed = exchange_module.packed_exchange(x_ND @ w_DD, starts, sizes, here, sizes, rows, hop)
+        return jnp.tanh(landed[: x_ND.shape[0]])
+
+    layer = jax.shard_map(per_device, mesh=mesh, in_specs=(P("expert"), P()), out_specs=P("expert"), check_vma=False)
+
+    def loss(ws, x):
+        body = jax.checkpoint(lambda x, w: (layer(x, w), None), policy=jax.checkpoint_policies.nothing_saveable)
+        return jax.lax.scan(body, x, ws)[0].sum()
+
+    ws, x = jnp.ones((3, D, D)) / D, jnp.ones((ep * 2 * ep, D))
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(ws, x).jaxpr
+    hoisted = [e for e in _eqns_outside_loops(jaxpr) if any(v.aval.shape == (rows, D) for v in e.outvars)]
+    assert not hoisted, hoisted

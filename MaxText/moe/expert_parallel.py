@@ -156,8 +156,21 @@ def packed_exchange(
     go to device d, landing at ``out_offsets[d]`` there; ``recv_sizes[s]`` arrive from s. Its
     transpose moves the rows back: each device learns where its rows landed and where they came
     from with two small ``all_to_all``s of the offsets."""
-    out_RD = jnp.zeros((out_rows, *x_ND.shape[1:]), x_ND.dtype)
-    return hop.ragged_all_to_all(x_ND, out_RD, in_offsets, send_sizes, out_offsets, recv_sizes)
+    placement = (in_offsets, send_sizes, out_offsets, recv_sizes)
+    out_RD = _zeros_of_this_exchange((out_rows, *x_ND.shape[1:]), x_ND.dtype, placement)
+    return hop.ragged_all_to_all(x_ND, out_RD, *placement)
+
+
+def _zeros_of_this_exchange(shape: tuple[int, ...], dtype: jnp.dtype, placement: tuple[jax.Array, ...]) -> jax.Array:
+    """Zeros computed from the exchange's offsets and sizes (never negative, so the value is 0),
+    so that each exchange writes its own buffer once, in the layer that uses it. Constant zeros
+    are hoisted out of the layers' scan by JAX (a loop-invariant value), and zeros computed
+    alike for two exchanges are merged into one buffer by XLA; either way XLA copies the buffer
+    before each in-place ``ragged_all_to_all`` into it, a read and a write where a broadcast
+    only writes, and the hoisted buffers are held through the loop (25 of 0.94 GB in XLA:GPU's
+    compile of the GB200 recipe)."""
+    zero = jnp.minimum(jnp.min(jnp.stack([a.min() for a in placement])), 0)
+    return jnp.broadcast_to(zero.astype(dtype), shape)
 
 
 def _packed_exchange_fwd(x_ND, in_offsets, send_sizes, out_offsets, recv_sizes, out_rows, hop):
