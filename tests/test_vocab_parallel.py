@@ -83,3 +83,47 @@ def test_auto_takes_the_axes_inside_the_fast_domain_on_gpu():
     assert config.with_platform("gpu").vocab_axes() == ("stage", "data", "expert", "tensor")
     assert config.with_platform("cpu").vocab_axes() == ()
     assert make_config("vocab_parallel_axes=[fsdp]").vocab_axes() == ("fsdp",)
+
+
+def _depends_on(jaxpr, sources: set) -> set:
+    """The variables of ``jaxpr`` computed from the equations whose primitive is in ``sources``."""
+    tainted = set()
+    for e in jaxpr.eqns:
+        if e.primitive.name in sources or any(
+            not isinstance(v, jax.extend.core.Literal) and v in tainted for v in e.invars
+        ):
+            tainted.update(e.outvars)
+    return tainted
+
+
+def _loop_bodies(jaxpr):
+    for e in jaxpr.eqns:
+        if e.primitive.name == "scan":
+            yield e.params["jaxpr"].jaxpr
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            yield from _loop_bodies(sub)
+
+
+def test_the_heads_slices_gather_ahead_and_nothing_else_in_their_loops_is_a_collective():
+    """In the split head's loops (forward and backward) a slice's GEMMs read tokens gathered in
+    the iteration before, so each gather has the previous slice's GEMMs beside it. The loops hold
+    no other collective but the backward's reduce-scatter of the token gradients: the softmax's
+    statistics are combined over the group once, after the forward loop."""
+    keys = jax.random.split(jax.random.key(1), 3)
+    x_BSD, head_DV = jax.random.normal(keys[0], (B, S, D)), jax.random.normal(keys[1], (D, 64))
+    ids_BS = jax.random.randint(keys[2], (B, S), 0, 64)
+    mesh = Mesh(np.array(jax.devices()).reshape(1, 2, 4), ("data", "fsdp", "expert"))
+
+    def loss(x_BSD, head_DV):
+        return head_nll_sum(x_BSD, head_DV, ids_BS, jnp.ones((B, S)), 4, ("data", "fsdp", "expert"))
+
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x_BSD, head_DV).jaxpr
+    bodies = [b for b in _loop_bodies(jaxpr) if any(e.primitive.name == "dot_general" for e in b.eqns)]
+    collectives = {"all_gather", "reduce_scatter", "psum", "pmax", "all_to_all", "ppermute", "psum_invariant"}
+    found = [{e.primitive.name for e in b.eqns} & collectives for b in bodies]
+    assert found == [{"all_gather"}, {"all_gather", "reduce_scatter"}]  # the forward's loop, the backward's
+    for body in bodies:
+        gathered = _depends_on(body, {"all_gather"})
+        dots = [e for e in body.eqns if e.primitive.name == "dot_general"]
+        assert not any(v in gathered for e in dots for v in e.invars if not isinstance(v, jax.extend.core.Literal))

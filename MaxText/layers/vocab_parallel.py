@@ -12,7 +12,10 @@ sequence at a time:
   (zero for the others) and a reduce-scatter returns each device its own tokens' rows.
 - head: a slice's normalised hidden states are gathered; each device computes the logits of its
   rows of the vocabulary for all of them, and the softmax's max and sum and each target's logit
-  are combined over the group.
+  are combined over the group. The slices run in a loop that gathers the next slice's tokens
+  while one computes; the backward pass recomputes each slice's logits from the forward pass's
+  log-sum-exp (no collective) and reduce-scatters its token gradients while the head's gradient
+  is computed (``_group_nll``).
 
 A device holds V / n rows of the weights and their gradients; it receives the n devices' tokens
 where FSDP sends it every row. Per use, a device moves about n x T x D elements of tokens (T its
@@ -26,6 +29,7 @@ Shape legend: B batch, S sequence, D model dim, V vocabulary; lower case = one d
 
 import math
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -87,22 +91,6 @@ def _varying_over_others(weight: jax.Array, batch_axes: tuple[str, ...], group: 
     return jax.lax.pcast(weight, others, to="varying") if others else weight
 
 
-def _gather_tokens(x_bsD: jax.Array, group: tuple[str, ...]) -> jax.Array:
-    """The group's tokens, [n x b, s, D]. The backward pass sums the group's n partial gradients
-    in float32 before rounding to ``x``'s dtype (a bfloat16 reduce-scatter would round n times)."""
-
-    @jax.custom_vjp
-    def gather(x):
-        return jax.lax.all_gather(x, group, axis=0, tiled=True)
-
-    def gather_bwd(_, g):
-        wide = g.astype(float32_or_wider(g.dtype))
-        return (jax.lax.psum_scatter(wide, group, scatter_dimension=0, tiled=True).astype(g.dtype),)
-
-    gather.defvjp(lambda x: (gather(x), None), gather_bwd)
-    return gather(x_bsD)
-
-
 def embed_lookup(
     table_VD: jax.Array, ids_BS: jax.Array, dtype: jnp.dtype, chunks: int, axes: Sequence[str]
 ) -> jax.Array:
@@ -147,7 +135,8 @@ def head_nll_sum(
     """Summed cross-entropy of the head's logits over positions with weight 1 (float32 or wider),
     over ``chunks`` slices of the sequence in turn; each slice's logits are recomputed in the
     backward pass. Split over a group, a float32 ``head_DV`` is cast to the hidden states' dtype
-    per slice, so its gradient is summed over slices in float32."""
+    per slice, and its gradient is summed over slices in float32; the logits' gradient enters
+    the two backward GEMMs in the hidden states' dtype."""
     split = _split(targets_BS.shape[0], head_DV.shape[1], axes)
     if split is None:  # the head gathered once for all slices, not once per slice
         head_DV = constrain(jnp.asarray(head_DV, normed_BSD.dtype), (None, "vocab"))
@@ -155,22 +144,9 @@ def head_nll_sum(
     batch_axes, group = split
 
     def nll(x_bSD: jax.Array, w_Dv: jax.Array, t_bS: jax.Array, wt_bS: jax.Array) -> jax.Array:
-        def slice_nll(args: tuple[jax.Array, ...], w_Dv: jax.Array) -> jax.Array:
-            x_bsD, t_bs, wt_bs = args
-            x_nsD = _gather_tokens(x_bsD, group)
-            t_ns = jax.lax.all_gather(t_bs, group, axis=0, tiled=True)
-            logits_nsv = head_logits(x_nsD, w_Dv.astype(x_nsD.dtype))
-            top_ns = jax.lax.pmax(jax.lax.stop_gradient(logits_nsv.max(axis=-1)), group)
-            sum_ns = jax.lax.psum(jnp.exp(logits_nsv - top_ns[..., None]).sum(axis=-1), group)
-            local_ns = _local_rows(t_ns, group, logits_nsv.shape[-1])
-            picked_ns = jnp.take_along_axis(logits_nsv, local_ns[..., None], axis=-1, mode="fill", fill_value=0)
-            target_ns = jax.lax.psum(picked_ns[..., 0], group)
-            nll_ns = top_ns + jnp.log(sum_ns) - target_ns  # every device of the group has all
-            own_bs = nll_ns.reshape(-1, *t_bs.shape)[jax.lax.axis_index(group)]
-            return (own_bs * wt_bs).sum()  # each token counted once, on the device that holds it
-
         w_Dv = _varying_over_others(w_Dv, batch_axes, group)
-        return jax.lax.psum(_map_slices(slice_nll, (x_bSD, t_bS, wt_bS), chunks, w_Dv), batch_axes)
+        slices = tuple(_slices(a, chunks) for a in (x_bSD, t_bS, wt_bS))
+        return jax.lax.psum(_group_nll(*slices, w_Dv, group), batch_axes)
 
     specs = (P(batch_axes), P(None, group), P(batch_axes), P(batch_axes))
     with jax.named_scope(VOCAB_SCOPE):
@@ -191,3 +167,88 @@ def _map_slices(fn: Callable, arrays: tuple[jax.Array, ...], chunks: int, weight
         return fn(arrays, weight)
     per_slice = jax.checkpoint(lambda sliced: fn(sliced, weight))
     return jax.lax.map(per_slice, tuple(_slices(a, chunks) for a in arrays)).sum()
+
+
+# ---- the split head's loss, its slices pipelined ----
+# Each slice's GEMMs need the group's tokens, gathered, and (backward) return their gradients
+# reduce-scattered. The loops below gather slice c + 1 while slice c computes, and the backward
+# reduce-scatters slice c's token gradients while its head gradient is computed. Nothing else
+# in the loops is a collective (XLA:GPU runs one at a time by default, so a small one between
+# a slice's GEMM and the next slice's gather would hold the gather back): the softmax's max,
+# sum and target logit are combined over the group for every slice at once after the forward
+# loop, and the backward reuses each token's log-sum-exp (a float per token).
+
+
+def _over_slices(step: Callable, x_cbsD: jax.Array, group: tuple[str, ...]):
+    """``step(x_nsD, c)`` for every slice c of ``x_cbsD``, its outputs stacked; ``x_nsD`` is slice
+    c gathered over the group, [n x b, s, D], gathered while step c - 1 runs (the loop's carry;
+    the last slice runs after the loop)."""
+    chunks = x_cbsD.shape[0]
+
+    def gathered(c):
+        return jax.lax.all_gather(x_cbsD[c], group, axis=0, tiled=True)
+
+    def body(x_nsD, c):
+        return gathered(c + 1), step(x_nsD, c)
+
+    last, outs = jax.lax.scan(body, gathered(0), jnp.arange(chunks - 1))
+    return jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), outs, step(last, chunks - 1))
+
+
+def _group_rows(a_cbs: jax.Array, group: tuple[str, ...]) -> jax.Array:
+    """Every slice's [b, s] of the group's devices: [chunks, n x b, s]."""
+    return jax.lax.all_gather(a_cbs, group, axis=1, tiled=True)
+
+
+def _group_nll_fwd(x_cbsD, t_cbs, wt_cbs, w_Dv, group):
+    """The weighted NLL summed over this device's tokens, and each slice's log-sum-exp of the
+    group's tokens [chunks, n x b, s] (float32 or wider)."""
+    local_cns = _local_rows(_group_rows(t_cbs, group), group, w_Dv.shape[1])
+
+    def step(x_nsD, c):  # this device's rows of the vocabulary: their max, sum of exp, target
+        logits_nsv = head_logits(x_nsD, w_Dv.astype(x_nsD.dtype))
+        top_ns = logits_nsv.max(axis=-1)
+        picked_ns = jnp.take_along_axis(logits_nsv, local_cns[c][..., None], axis=-1, mode="fill", fill_value=0)
+        return top_ns, jnp.exp(logits_nsv - top_ns[..., None]).sum(axis=-1), picked_ns[..., 0]
+
+    top_cns, sum_cns, picked_cns = _over_slices(step, x_cbsD, group)
+    group_top_cns = jax.lax.pmax(top_cns, group)
+    lse_cns = group_top_cns + jnp.log(jax.lax.psum(sum_cns * jnp.exp(top_cns - group_top_cns), group))
+    nll_cns = lse_cns - jax.lax.psum(picked_cns, group)  # every device of the group has all
+    C, n = x_cbsD.shape[0], jax.lax.axis_size(group)
+    own_cbs = nll_cns.reshape(C, n, -1, *nll_cns.shape[2:])[:, jax.lax.axis_index(group)]
+    return (own_cbs * wt_cbs).sum(), (x_cbsD, t_cbs, wt_cbs, w_Dv, lse_cns)  # each token once, by its owner
+
+
+def _group_nll_bwd(group, residuals, g):
+    """d/dlogits = (softmax - one-hot) x weight x the token owner's cotangent: the token
+    gradients [n x b, s, D] reduce-scattered back to their devices (summed in float32 or wider),
+    the head's gradient summed over the slices."""
+    x_cbsD, t_cbs, wt_cbs, w_Dv, lse_cns = residuals
+    local_cns = _local_rows(_group_rows(t_cbs, group), group, w_Dv.shape[1])
+    g_n = jax.lax.all_gather(g, group)  # each token's loss is its owner's part of the sum
+    scale_cns = _group_rows(wt_cbs, group) * jnp.repeat(g_n, x_cbsD.shape[1])[:, None]
+    wide = float32_or_wider(w_Dv.dtype)
+
+    def step(x_nsD, c):
+        w_cast = w_Dv.astype(x_nsD.dtype)
+        logits_nsv = head_logits(x_nsD, w_cast)
+        p_nsv = jnp.exp(logits_nsv - lse_cns[c][..., None])
+        target_nsv = jnp.arange(logits_nsv.shape[-1]) == local_cns[c][..., None]
+        d_nsv = (jnp.where(target_nsv, p_nsv - 1, p_nsv) * scale_cns[c][..., None]).astype(x_nsD.dtype)
+        dx_nsD = jnp.einsum("nsv,dv->nsd", d_nsv, w_cast, preferred_element_type=wide)
+        dx_bsD = jax.lax.psum_scatter(dx_nsD, group, scatter_dimension=0, tiled=True).astype(x_nsD.dtype)
+        return jnp.einsum("nsd,nsv->dv", x_nsD, d_nsv, preferred_element_type=wide), dx_bsD
+
+    dw_cDv, dx_cbsD = _over_slices(step, x_cbsD, group)
+    return dx_cbsD, None, None, dw_cDv.sum(axis=0).astype(w_Dv.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _group_nll(x_cbsD, t_cbs, wt_cbs, w_Dv, group):
+    """The weighted NLL of this device's tokens (slices [chunks, b, s, ...]) under the group's
+    split head ``w_Dv`` (inside ``shard_map``)."""
+    return _group_nll_fwd(x_cbsD, t_cbs, wt_cbs, w_Dv, group)[0]
+
+
+_group_nll.defvjp(_group_nll_fwd, _group_nll_bwd)
