@@ -553,15 +553,16 @@ def _eqns_outside_loops(jaxpr):
 
 
 def test_exchange_buffers_are_made_inside_the_layers_loop():
-    """The zeros a ``ragged_all_to_all`` lands in stay inside the scanned layers, forward and
-    backward: hoisted out of the loop as a constant, every in-place exchange into one would copy
-    it first, and the loop would hold each hoisted buffer throughout."""
-    ep, rows, D = 4, 12, 8
+    """The zeros a ``ragged_all_to_all`` lands in (the exchange's buffer, and its transpose's in the
+    backward) stay inside the scanned layers: hoisted out of the loop as a constant, every
+    in-place exchange into one would copy it first, and the loop would hold each hoisted buffer
+    throughout. The sizes depend on the layer's input, as the routing's do."""
+    ep, sent, rows, D = 4, 8, 12, 5  # a device sends 2 of its 8 rows to each, into slots of 3
     hop = exchange_module.Hop("expert", ep)
     mesh = jax.make_mesh((ep,), ("expert",), (jax.sharding.AxisType.Auto,), devices=jax.devices()[:ep])
 
     def per_device(x_ND, w_DD):
-        sizes = jnp.full((ep,), 2, jnp.int32)  # 2 rows from each device to each, into slots of 3
+        sizes = jnp.full((ep,), 2, jnp.int32) + (x_ND[:ep, 0] > jnp.inf).astype(jnp.int32)  # 2, from the data
         starts, here = jnp.arange(ep, dtype=jnp.int32) * 2, jnp.full((ep,), hop.index() * 3, jnp.int32)
         landed = exchange_module.packed_exchange(x_ND @ w_DD, starts, sizes, here, sizes, rows, hop)
         return jnp.tanh(landed[: x_ND.shape[0]])
@@ -572,7 +573,19 @@ def test_exchange_buffers_are_made_inside_the_layers_loop():
         body = jax.checkpoint(lambda x, w: (layer(x, w), None), policy=jax.checkpoint_policies.nothing_saveable)
         return jax.lax.scan(body, x, ws)[0].sum()
 
-    ws, x = jnp.ones((3, D, D)) / D, jnp.ones((ep * 2 * ep, D))
+    ws, x = jnp.ones((3, D, D)) / D, jnp.ones((ep * sent, D))
     jaxpr = jax.make_jaxpr(jax.grad(loss))(ws, x).jaxpr
-    hoisted = [e for e in _eqns_outside_loops(jaxpr) if any(v.aval.shape == (rows, D) for v in e.outvars)]
+    buffers = {(rows, D), (sent, D)}  # the exchange's output, its transpose's
+    inside = [e for body in _loop_bodies(jaxpr) for e in _eqns_outside_loops(body)]
+    assert buffers <= {v.aval.shape for e in inside if e.primitive.name == "broadcast_in_dim" for v in e.outvars}
+    hoisted = [e for e in _eqns_outside_loops(jaxpr) if any(v.aval.shape in buffers for v in e.outvars)]
     assert not hoisted, hoisted
+
+
+def _loop_bodies(jaxpr):
+    """The bodies of the scans in ``jaxpr`` and in the jaxprs it calls."""
+    for e in jaxpr.eqns:
+        if e.primitive.name == "scan":
+            yield e.params["jaxpr"].jaxpr
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            yield from _loop_bodies(sub)

@@ -121,8 +121,8 @@ def test_the_heads_slices_gather_ahead_and_nothing_else_in_their_loops_is_a_coll
         jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x_BSD, head_DV).jaxpr
     bodies = [b for b in _loop_bodies(jaxpr) if any(e.primitive.name == "dot_general" for e in b.eqns)]
     collectives = {"all_gather", "reduce_scatter", "psum", "pmax", "all_to_all", "ppermute", "psum_invariant"}
-    found = [{e.primitive.name for e in b.eqns} & collectives for b in bodies]
-    assert found == [{"all_gather"}, {"all_gather", "reduce_scatter"}]  # the forward's loop, the backward's
+    found = [sorted(e.primitive.name for e in b.eqns if e.primitive.name in collectives) for b in bodies]
+    assert found == [["all_gather"], ["all_gather", "reduce_scatter"]]  # the forward's loop, the backward's
     for body in bodies:
         gathered = _depends_on(body, {"all_gather"})
         dots = [e for e in body.eqns if e.primitive.name == "dot_general"]

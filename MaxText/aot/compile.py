@@ -42,6 +42,7 @@ from MaxText.aot.targets import GpuTarget, answering_device_queries
 from MaxText.aot.thunks import read_dump
 from MaxText.config import Config, ConfigError
 from MaxText.layers.attention_ops import ATTENTION_SCOPE, resolve_attention
+from MaxText.layers.vocab_parallel import vocab_group
 from MaxText.models.accounting import count_parameters, train_flops
 from MaxText.models.deepseek import DeepSeekV3
 from MaxText.moe.blocked import level_rows
@@ -165,7 +166,7 @@ def attention_factors(config: Config) -> tuple[float, float]:
     return (n + 1) / n * 7 / 6, (n + 1) / n * 9 / 6
 
 
-def expected_step_flops(config: Config, tokens: int) -> dict[str, float]:
+def expected_step_flops(config: Config, tokens: int, head_split: bool = False) -> dict[str, float]:
     """FLOPs of ``tokens`` tokens: ``model`` (the accounting), ``compiled`` (what the program
     should do: the accounting plus what remat recomputes and what its attention does), and the
     expected FLOPs of the two named scopes, the routed experts at their dropless ideal
@@ -173,8 +174,8 @@ def expected_step_flops(config: Config, tokens: int) -> dict[str, float]:
 
     Remat (``full`` or ``minimal``, as an upper bound) recomputes each scanned decoder layer's
     forward inside the backward (+1/3 of its training FLOPs; the MTP module's layer is not
-    rematerialised); with ``vocab_chunks`` > 1 the loss recomputes every head's forward (+1/3 of
-    its training FLOPs). Pipelined, the MoE stack's stages compute through the bubble too
+    rematerialised); with ``vocab_chunks`` > 1, or the head split over the vocabulary
+    (``head_split``), the loss recomputes every head's forward (+1/3 of its training FLOPs). Pipelined, the MoE stack's stages compute through the bubble too
     (``(r m + p - 1) / (r m)`` of the useful iterations; each layer is rematerialised as without
     the pipeline, nothing more). A rerun of the routed experts is +2/9
     of their training FLOPs (their down-projection's output is not needed: the router weight
@@ -190,7 +191,7 @@ def expected_step_flops(config: Config, tokens: int) -> dict[str, float]:
     mtp_attention = config.mtp_num_layers * per_layer_attention * plain
     main = layers * remat + attention
     mtp = flops.mtp + mtp_attention - config.mtp_num_layers * per_layer_attention
-    if config.vocab_chunks > 1:
+    if config.vocab_chunks > 1 or head_split:
         head += head / 3 * (1 + config.mtp_num_layers)
     active = config.num_experts_per_tok / config.num_experts
     # Remat's rerun of the routed experts: all three GEMMs for ``blocked`` (the router weight
@@ -341,6 +342,7 @@ def _compile(
         routed_per_device //= config.moe_exchange_chunks
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)), moe_context(config, mesh, tokens_per_device):
         ep = mesh.shape[axis] if (axis := expert_axis()) else 1
+        head_split = bool(vocab_group(config.vocab_size, config.vocab_axes()))
         t0 = time.perf_counter()
         lowered = step.lower(state, batch)
         t1 = time.perf_counter()
@@ -360,7 +362,7 @@ def _compile(
     text = compiled.as_text()
     stats = hlo_stats(text, dict(mesh.shape), block_trips, SCOPES, expert_rows, host_decided)
     tokens = config.global_batch_size(len(devices)) * config.max_target_length
-    expected = {k: v / len(devices) for k, v in expected_step_flops(config, tokens).items()}
+    expected = {k: v / len(devices) for k, v in expected_step_flops(config, tokens, head_split).items()}
     state_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
     schedule = None
     if target:

@@ -13,8 +13,8 @@ sequence at a time:
 - head: a slice's normalised hidden states are gathered; each device computes the logits of its
   rows of the vocabulary for all of them, and the softmax's max and sum and each target's logit
   are combined over the group. The slices run in a loop that gathers the next slice's tokens
-  while one computes; the backward pass recomputes each slice's logits from the forward pass's
-  log-sum-exp (no collective) and reduce-scatters its token gradients while the head's gradient
+  while one computes; the backward pass recomputes each slice's logits and softmax from the
+  forward pass's log-sum-exp (no softmax collective) and reduce-scatters its token gradients while the head's gradient
   is computed (``_group_nll``).
 
 A device holds V / n rows of the weights and their gradients; it receives the n devices' tokens

@@ -164,11 +164,11 @@ def packed_exchange(
 def _zeros_of_this_exchange(shape: tuple[int, ...], dtype: jnp.dtype, placement: tuple[jax.Array, ...]) -> jax.Array:
     """Zeros computed from the exchange's offsets and sizes (never negative, so the value is 0),
     so that each exchange writes its own buffer once, in the layer that uses it. Constant zeros
-    are hoisted out of the layers' scan by JAX (a loop-invariant value), and zeros computed
-    alike for two exchanges are merged into one buffer by XLA; either way XLA copies the buffer
-    before each in-place ``ragged_all_to_all`` into it, a read and a write where a broadcast
-    only writes, and the hoisted buffers are held through the loop (25 of 0.94 GB in XLA:GPU's
-    compile of the GB200 recipe)."""
+    are hoisted out of the layers' scan by JAX (a value computed from no input of the loop), and
+    zeros computed alike for two exchanges are merged into one buffer by XLA; either way XLA
+    copies the buffer before each in-place ``ragged_all_to_all`` into it, a read and a write
+    where a broadcast only writes, and the hoisted buffers are held through the loop (25 buffers
+    of 0.94 GB each in XLA:GPU's compile of the GB200 recipe)."""
     zero = jnp.minimum(jnp.min(jnp.stack([a.min() for a in placement])), 0)
     return jnp.broadcast_to(zero.astype(dtype), shape)
 

@@ -190,12 +190,20 @@ def held_out_points() -> list[Point]:
     ]
 
 
+# The shipped recipes' modelled steps as XLA:GPU compiles them now (``tools/aot_compile.py --target
+# gb200|gb300 --recipe R --json``, ``overlap.step_seconds``; recipes/README.md): 4 and 2 chained
+# exchange chunks, two collectives in flight (docs/LOG.md, 2026-12-07). What the checkpoint
+# periods are planned for; the planner's terms were read from the earlier compiles below.
+RECIPE_STEP_SECONDS = {"gb200-nvl72": 6.082, "gb300-nvl72": 3.062}
+
+
 def compiled_points() -> list[Point]:
     """The modelled steps of XLA:GPU's compiles of this repository's 671B recipes (one MTP module,
     bfloat16, the recipes' XLA flags): ``tools/aot_compile.py --target gb200|gb300 --recipe R
     [key=value ...] --json``, ``overlap.step_seconds`` (docs/planner.md, "The stack this repository
-    runs"). The two shipped recipes are the compiles the ``xla`` stack's terms were read from; the
-    rest were not used for any constant."""
+    runs"). The first two are the compiles the ``xla`` stack's terms were read from: the shipped
+    recipes as of 2026-12-06, their exchange chunks independent and one collective in flight
+    (the recipes since: ``RECIPE_STEP_SECONDS``); the rest were not used for any constant."""
 
     def gb200(mbs: int, remat: str) -> Layout:
         return Layout({"expert": 64}, {"fsdp": 2, "data": 2}, mbs=mbs, gbs=256 * mbs, remat=remat)
@@ -209,20 +217,21 @@ def compiled_points() -> list[Point]:
 
     return [
         point(
-            "GB200 recipe: 256 GPUs, 4 per GPU, remat full, 4 chunks (terms read from it)",
+            "GB200 recipe as of 2026-12-06: 256 GPUs, 4 per GPU, remat full, 4 chunks (terms read from it)",
             "gb200-nvl72",
             gb200(4, "full"),
             6.325,
         ),
         point(
-            "GB300 recipe: 1,024 GPUs, 2 per GPU, remat minimal, 2 chunks (terms read from it)",
+            "GB300 recipe as of 2026-12-06: 1,024 GPUs, 2 per GPU, remat minimal, 2 chunks (terms read from it)",
             "gb300-nvl72",
             gb300(1024, 8, 2),
             3.165,
         ),
         # not read from: per_device_batch_size=1 remat_policy=minimal moe_exchange_chunks=1
+        # (and, since the recipe chains its chunks, moe_exchange_pipeline=false)
         point("GB200 recipe at 1 per GPU, remat minimal, no chunks", "gb200-nvl72", gb200(1, "minimal"), 2.285),
-        # per_device_batch_size=2 remat_policy=full moe_exchange_chunks=1
+        # per_device_batch_size=2 remat_policy=full moe_exchange_chunks=1 moe_exchange_pipeline=false
         point("GB200 recipe at 2 per GPU, remat full, no chunks", "gb200-nvl72", gb200(2, "full"), 3.704),
         point(
             "GB300 recipe at 256 GPUs (--devices 256 dcn_data_parallelism=2)", "gb300-nvl72", gb300(256, 2, 2), 3.116

@@ -18,7 +18,7 @@ bandwidth terms of the standard algorithms (latency terms are negligible at thes
 - the vocabulary split (``layers/vocab_parallel.py``, this repository's sharded stack): the embedding
   and the output head are not gathered; over a group of ``n`` GPUs each lookup reduce-scatters its
   rows and its backward gathers their gradients (bfloat16), each head gathers the hidden states
-  (again when ``vocab_chunks`` > 1 recomputes it) and reduce-scatters their gradient (float32), once
+  (again in the backward, which recomputes the logits) and reduce-scatters their gradient (float32), once
   for the main model and once per MTP depth: ``(n-1) t D`` elements per GPU each. The group is what
   ``vocab_parallel_axes: auto`` takes on GPU, the batch axes inside a domain, for every layout
   costed (the compiled figure is in docs/LOG.md).
@@ -162,7 +162,7 @@ def collectives(
         c = spec.config
         heads = 1 + c.mtp_num_layers
         elements = heads * (n - 1) * tokens * D  # per lookup or head pass
-        head_passes = 2 if c.vocab_chunks > 1 else 1
+        head_passes = 2  # the split head's backward gathers the hidden states again
         sent = elements * (2 * ACTIVATION_BYTES + head_passes * ACTIVATION_BYTES + GRAD_BYTES)
         out.append(Collective("vocabulary split", "vocab", sent, 0.0, link_seconds(sent, 0.0, system)))
     if sharded:
