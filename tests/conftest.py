@@ -152,3 +152,14 @@ def gpu_target_env() -> dict[str, str]:
     the suite's XLA:CPU flags and without its compilation cache (a GPU target's train step got a
     new cache key on every run)."""
     return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and k not in CACHE_ENV}
+
+
+def scan_bodies(jaxpr):
+    """The bodies of the scans in ``jaxpr`` and in the jaxprs it calls (a trace's loops)."""
+    import jax.extend
+
+    for e in jaxpr.eqns:
+        if e.primitive.name == "scan":
+            yield e.params["jaxpr"].jaxpr
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            yield from scan_bodies(sub)

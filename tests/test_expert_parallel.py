@@ -55,7 +55,7 @@ from MaxText.moe.experts import check_backend
 from MaxText.moe.te_exchange import rank_tokens
 from MaxText.parallel.mesh import make_mesh
 from MaxText.parallel.sharding import axis_rules
-from tests.conftest import make_config
+from tests.conftest import make_config, scan_bodies
 from tests.test_moe_block import random_params
 
 B, S = 4, 16
@@ -576,16 +576,7 @@ def test_exchange_buffers_are_made_inside_the_layers_loop():
     ws, x = jnp.ones((3, D, D)) / D, jnp.ones((ep * sent, D))
     jaxpr = jax.make_jaxpr(jax.grad(loss))(ws, x).jaxpr
     buffers = {(rows, D), (sent, D)}  # the exchange's output, its transpose's
-    inside = [e for body in _loop_bodies(jaxpr) for e in _eqns_outside_loops(body)]
+    inside = [e for body in scan_bodies(jaxpr) for e in _eqns_outside_loops(body)]
     assert buffers <= {v.aval.shape for e in inside if e.primitive.name == "broadcast_in_dim" for v in e.outvars}
     hoisted = [e for e in _eqns_outside_loops(jaxpr) if any(v.aval.shape in buffers for v in e.outvars)]
     assert not hoisted, hoisted
-
-
-def _loop_bodies(jaxpr):
-    """The bodies of the scans in ``jaxpr`` and in the jaxprs it calls."""
-    for e in jaxpr.eqns:
-        if e.primitive.name == "scan":
-            yield e.params["jaxpr"].jaxpr
-        for sub in jax.extend.core.jaxprs_in_params(e.params):
-            yield from _loop_bodies(sub)

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from MaxText.config import load_config
 from MaxText.layers.vocab_parallel import embed_lookup, head_nll_sum, vocab_group
-from tests.conftest import make_config
+from tests.conftest import make_config, scan_bodies
 
 RULES = (("activation_batch", ("data", "fsdp", "expert")),)
 B, S, D = 8, 16, 12
@@ -96,14 +96,6 @@ def _depends_on(jaxpr, sources: set) -> set:
     return tainted
 
 
-def _loop_bodies(jaxpr):
-    for e in jaxpr.eqns:
-        if e.primitive.name == "scan":
-            yield e.params["jaxpr"].jaxpr
-        for sub in jax.extend.core.jaxprs_in_params(e.params):
-            yield from _loop_bodies(sub)
-
-
 def test_the_heads_slices_gather_ahead_and_nothing_else_in_their_loops_is_a_collective():
     """In the split head's loops (forward and backward) a slice's GEMMs read tokens gathered in
     the iteration before, so each gather has the previous slice's GEMMs beside it. The loops hold
@@ -119,7 +111,7 @@ def test_the_heads_slices_gather_ahead_and_nothing_else_in_their_loops_is_a_coll
 
     with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
         jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x_BSD, head_DV).jaxpr
-    bodies = [b for b in _loop_bodies(jaxpr) if any(e.primitive.name == "dot_general" for e in b.eqns)]
+    bodies = [b for b in scan_bodies(jaxpr) if any(e.primitive.name == "dot_general" for e in b.eqns)]
     collectives = {"all_gather", "reduce_scatter", "psum", "pmax", "all_to_all", "ppermute", "psum_invariant"}
     found = [sorted(e.primitive.name for e in b.eqns if e.primitive.name in collectives) for b in bodies]
     assert found == [["all_gather"], ["all_gather", "reduce_scatter"]]  # the forward's loop, the backward's
