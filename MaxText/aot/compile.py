@@ -175,7 +175,8 @@ def expected_step_flops(config: Config, tokens: int, head_split: bool = False) -
     Remat (``full`` or ``minimal``, as an upper bound) recomputes each scanned decoder layer's
     forward inside the backward (+1/3 of its training FLOPs; the MTP module's layer is not
     rematerialised); with ``vocab_chunks`` > 1, or the head split over the vocabulary
-    (``head_split``), the loss recomputes every head's forward (+1/3 of its training FLOPs). Pipelined, the MoE stack's stages compute through the bubble too
+    (``head_split``), the loss recomputes every head's forward (+1/3 of its training FLOPs).
+    Pipelined, the MoE stack's stages compute through the bubble too
     (``(r m + p - 1) / (r m)`` of the useful iterations; each layer is rematerialised as without
     the pipeline, nothing more). A rerun of the routed experts is +2/9
     of their training FLOPs (their down-projection's output is not needed: the router weight
