@@ -93,6 +93,7 @@ class Config(BaseModel):
     local_checkpoint_period: Count
     preemption_check_period: Count
     jax_cache_dir: str
+    latency_profile: str
     # batch
     per_device_batch_size: Count
     max_target_length: Annotated[int, Field(ge=2)]  # inputs and targets are shifted by one
@@ -333,6 +334,11 @@ def check_rules(c: Config) -> None:
         c.first_num_dense_layers <= c.base_num_decoder_layers,
         "first_num_dense_layers",
         f"must be between 0 and base_num_decoder_layers ({c.base_num_decoder_layers})",
+    )
+    _require(
+        c.latency_profile in ("", "model") or Path(c.latency_profile).suffix in (".pbtxt", ".pb"),
+        "latency_profile",
+        f'{c.latency_profile!r}: must be "", model, or a profile file ending in .pbtxt (text) or .pb (binary)',
     )
     _require(c.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "must be even (rotary pairs)")
     if c.rope_type == "yarn":  # frequencies between the two rotation counts are interpolated

@@ -199,3 +199,42 @@ def test_a_multi_rack_mesh_stores_the_vocabulary_split_as_it_is_read(capfd, fres
     report, _ = compile_train_step(config, jax.devices()[:8])
     assert report.mesh == {"stage": 1, "data": 2, "fsdp": 2, "expert": 2, "tensor": 1}
     assert "Involuntary full rematerialization" not in capfd.readouterr().err
+
+
+def test_latency_profile_model_compiles_again_with_the_first_programs_costs(tmp_path):
+    """``latency_profile: model`` compiles twice, the second time reading a profile that names the
+    first program's kernels with their modelled times, at a path named by its contents (the
+    compilation cache keys a program by its options: the same profile, the same key); a profile
+    file compiles once, reading that file; ``""`` compiles once without one."""
+    import re
+
+    from MaxText.aot.compile import PROFILE_OPTION, profile_guided
+    from MaxText.aot.hlo_stats import parse_computations
+    from MaxText.planner.systems import SYSTEMS
+
+    x = jax.ShapeDtypeStruct((256, 512), jnp.float32)
+    lowered = jax.jit(lambda a, w: jnp.tanh(a @ w) * 2.0).lower(x, jax.ShapeDtypeStruct((512, 512), jnp.float32))
+    paths: list[str | None] = []
+
+    def compile_once(options: dict):
+        paths.append(options.get(PROFILE_OPTION))
+        return (lowered.compile(compiler_options=options),)
+
+    inputs = (SYSTEMS["gb200-nvl72"], np.zeros(1, int), None, None, None)
+    (_,), first = profile_guided(compile_once, {}, "model", inputs)
+    assert paths[0] is None and first is not None and paths[1].endswith(".pbtxt")
+    comps = parse_computations(first[0].as_text())
+    kernels = {i.name for i in comps["ENTRY"] if i.opcode == "fusion"}  # the matmul's and the rest's
+    costs = {n: float(c) for n, c in re.findall(r'name: "([^"]+)" cost_us: ([\d.]+)', Path(paths[1]).read_text())}
+    assert len(kernels) == 2 and set(costs) == kernels  # nothing inside them, no parameter
+    assert all(c > 0 for c in costs.values())
+    profile_guided(compile_once, {}, "model", inputs)
+    assert paths[3] == paths[1]  # the same profile at the same path
+
+    paths.clear()
+    measured = tmp_path / "measured.pbtxt"
+    measured.write_text('costs { name: "dot.1" cost_us: 3.5 }\n')
+    assert profile_guided(compile_once, {}, str(measured), None)[1] is None
+    assert len(paths) == 1 and Path(paths[0]).read_text() == measured.read_text()
+    paths.clear()
+    assert profile_guided(compile_once, {}, "", None)[1] is None and paths == [None]

@@ -153,6 +153,7 @@ BAD_INPUTS = {
         ["num_pipeline_microbatches", "2 micro-batches cannot fill 4 stages"],
     ),
     "the dropping baseline pipelined": (["ici_pipeline_parallelism=2", "capacity_factor=1.25"], ["capacity_factor"]),
+    "a latency profile neither model nor a profile file": (["latency_profile=modle"], ["latency_profile", ".pbtxt"]),
 }
 
 
@@ -256,6 +257,8 @@ ACCEPTED = {
     "rope_factor=1": 1.0,
     "steps=0": 0,
     "run_name=1e-4": "1e-4",  # string keys keep the text
+    "latency_profile=model": "model",
+    "latency_profile=profiles/step.pbtxt": "profiles/step.pbtxt",
     'jax_cache_dir=""': "",  # as a recipe's MAXTEXT_ARGS passes it (split without a shell's quote removal)
     "run_name='my run'": "my run",
     'run_name="x': '"x',  # not a quoted whole

@@ -498,3 +498,14 @@ def test_held_out_megatron_bridge_h100_run_with_its_own_exchange():
     steps = calibration.ladder(point)
     assert [round(100 * error) for _, _, error in steps] == [-8, -3, 0]
     assert steps[-1][1] == pytest.approx(value)
+
+
+def test_a_devices_kind_names_its_system():
+    """The training loop's cost model (``latency_profile: model``) finds its GPU by JAX's device
+    kind: the longest name it contains (a GB200 is not a B200)."""
+    from MaxText.planner.systems import SYSTEMS, system_of_device
+
+    assert system_of_device("NVIDIA GB200") is SYSTEMS["gb200-nvl72"]
+    assert system_of_device("NVIDIA B200") is SYSTEMS["b200"]
+    assert system_of_device("NVIDIA H100 80GB HBM3") is SYSTEMS["h100"]
+    assert system_of_device("NVIDIA A100-SXM4-80GB") is None

@@ -24,7 +24,9 @@ also corrects for ``while`` loops, counted once by XLA's cost analysis).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
+import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -35,8 +37,8 @@ import jax
 import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
-from MaxText.aot.hlo_stats import hlo_stats
-from MaxText.aot.overlap import overlap
+from MaxText.aot.hlo_stats import hlo_stats, parse_computations
+from MaxText.aot.overlap import latency_profile, overlap, scheduled_instructions
 from MaxText.aot.report import AotReport, Choices
 from MaxText.aot.targets import GpuTarget, answering_device_queries
 from MaxText.aot.thunks import read_dump
@@ -53,6 +55,7 @@ from MaxText.parallel.pipeline import bubble_fraction
 from MaxText.parallel.platform import compiling_for
 from MaxText.parallel.sharding import axis_rules, batch_sharding
 from MaxText.planner.routing import expected_domains
+from MaxText.planner.systems import System, system_of_device
 from MaxText.quantization.quantize import check_quantization
 from MaxText.train import xla_memory
 from MaxText.train.optimizer import make_optimizer
@@ -73,6 +76,8 @@ INSTEAD_OF_TE = {
     "attention": "cudnn, flash or dot",
 }
 SCOPES = (EXPERTS_SCOPE, ATTENTION_SCOPE)
+# The debug option that gives XLA:GPU's latency-hiding scheduler a profile of instruction costs.
+PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
 
 
 def pipeline_summary(config: Config) -> dict | None:
@@ -277,6 +282,84 @@ def ragged_rows(config: Config, tokens_per_device: int, ep: int, exchange: str =
     return round(tokens_per_device * reached)
 
 
+def cost_model_inputs(config: Config, mesh: jax.sharding.Mesh, system: System, exchange: str) -> tuple:
+    """What the cost model (``overlap.py``) needs besides a program compiled for ``mesh`` on
+    ``system``: the system, each device's NVLink domain, the rows a ragged ``exchange`` moves and
+    the data-dependent loops' trips and grouped GEMMs' rows under balanced routing. Called where
+    the step is traced (the mesh and the logical-axis rules set), which name the expert axis."""
+    devices = mesh.devices.size
+    routed_per_device = config.routed_tokens_per_device(devices)
+    if exchange in CHUNKED_EXCHANGES:  # each chunk's own kernels and buffers
+        routed_per_device //= config.moe_exchange_chunks
+    ep = mesh.shape[axis] if (axis := expert_axis()) else 1
+    domain_size = system.domain_gpus(devices)
+    domain_of = np.array([d.id // domain_size for d in mesh.devices.flat])
+    return (
+        system,
+        domain_of,
+        ragged_rows(config, routed_per_device, ep, exchange),
+        balanced_block_trips(config, routed_per_device, ep),
+        balanced_expert_rows(config, routed_per_device),
+    )
+
+
+def profile_guided(
+    compile_once: Callable[[dict], tuple], options: dict, setting: str, model_inputs: tuple | None
+) -> tuple[tuple, tuple | None]:
+    """Compile for a GPU under ``latency_profile`` (base.yml): ``""`` once, XLA's scheduler with
+    its own estimates; a file, once with that profile; ``model``, twice, the second time with the
+    cost model's time for every instruction of the first (``overlap.latency_profile``), which is
+    what a profile measured on the GPU would tell it if the model were right. Up to the scheduler
+    both compiles are the same, so the instructions' names match (the AOT report says how many
+    did: ``profile_names_found``). ``compile_once(options)`` returns a tuple whose first element
+    is the compiled program; this returns the last one's and the first's (None when there was
+    one compile)."""
+    if not setting:
+        return compile_once(options), None
+    if setting != "model":
+        return compile_once(
+            {**options, PROFILE_OPTION: _stable_copy(Path(setting).read_bytes(), Path(setting).suffix)}
+        ), None
+    first = compile_once(options)
+    profile = latency_profile(first[0].as_text(), *model_inputs).encode()
+    return compile_once({**options, PROFILE_OPTION: _stable_copy(profile, ".pbtxt")}), first
+
+
+def _stable_copy(profile: bytes, suffix: str) -> str:
+    """A path for the profile named by its contents: JAX's compilation cache keys a program by its
+    compile options, the path among them, so the same profile must keep the same path (a run that
+    restarts finds its step in the cache) and a changed one must not."""
+    folder = Path(tempfile.gettempdir()) / "latency-profiles"
+    folder.mkdir(exist_ok=True)
+    path = folder / f"{hashlib.sha256(profile).hexdigest()[:32]}{suffix}"
+    if not path.exists():  # written whole, then renamed: processes on one host may race here
+        partial = path.with_name(f"{path.name}.{os.getpid()}")
+        partial.write_bytes(profile)
+        os.replace(partial, path)
+    return str(path)
+
+
+def compile_for_devices(
+    lowered: jax.stages.Lowered, options: dict, config: Config, mesh: jax.sharding.Mesh
+) -> jax.stages.Compiled:
+    """The training loop's compile of its step: on a GPU under ``latency_profile``
+    (``profile_guided``), elsewhere once. Called where the step is traced (``cost_model_inputs``)."""
+    device = mesh.devices.flat[0]
+    if device.platform != "gpu" or not config.latency_profile:
+        return lowered.compile(compiler_options=options or None)
+    inputs = None
+    if config.latency_profile == "model":
+        if (system := system_of_device(device.device_kind)) is None:
+            raise ConfigError(
+                f"config key 'latency_profile': model, but the cost model has no GPU named {device.device_kind!r}"
+            )
+        inputs = cost_model_inputs(config, mesh, system, resolve_exchange(config.moe_ep_comm, "gpu"))
+    (compiled,), _ = profile_guided(
+        lambda opts: (lowered.compile(compiler_options=opts),), options, config.latency_profile, inputs
+    )
+    return compiled
+
+
 def compile_train_step(
     config: Config,
     devices: list | None = None,
@@ -351,8 +434,15 @@ def _compile(
         options = {}
         if target:  # XLA plans for the allocator's share of the HBM, as the training loop has it
             options = xla_memory.compiler_options(target.hbm_bytes, memory_fraction * target.hbm_bytes, io_bytes)
+        model_inputs, first = None, None
         # custom partitioning (cuDNN attention) calls back into Python here
-        compiled, host_decided = _compile_lowered(lowered, target is not None, options)
+        if target:
+            model_inputs = cost_model_inputs(config, mesh, target.hardware, choice.exchange_compiled)
+            (compiled, host_decided), first = profile_guided(
+                lambda opts: _compile_lowered(lowered, True, opts), options, config.latency_profile, model_inputs
+            )
+        else:
+            compiled, host_decided = _compile_lowered(lowered, False, options)
         t2 = time.perf_counter()
     memory = compiled_memory(compiled)
     slop = xla_memory.slop_used(options)  # the slop factor XLA planned the program with
@@ -367,10 +457,13 @@ def _compile(
     state_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
     schedule = None
     if target:
-        domain_size = len(devices) // int(target.topology(len(devices)).split("x")[0])
-        domain_of = np.array([d.id // domain_size for d in mesh.devices.flat])
-        rows = ragged_rows(config, routed_per_device, ep, choice.exchange_compiled)
-        schedule = overlap(text, target.hardware, domain_of, rows, block_trips, expert_rows).as_dict()
+        schedule = overlap(text, *model_inputs).as_dict()
+        if first:  # the first compile's schedule, XLA's own estimates
+            default = overlap(first[0].as_text(), *model_inputs)
+            schedule["default_estimates"] = {"step_seconds": default.step_seconds, "hidden": default.total.hidden}
+            profiled = {i.name for i in scheduled_instructions(parse_computations(first[0].as_text()))}
+            placed = [i.name for i in scheduled_instructions(parse_computations(text))]
+            schedule["profile_names_found"] = sum(n in profiled for n in placed) / max(len(placed), 1)
     report = AotReport(
         devices=len(devices),
         target=target.name if target else "cpu",

@@ -234,6 +234,11 @@ class _CostModel:
             self._seconds[comp] = sum(self.seconds(i) for i in self.comps.get(comp, []))
         return self._seconds[comp]
 
+    def collective_link(self, instr: Instr, kind: str, nbytes: float) -> tuple[float, float, float]:
+        """``link`` for a collective instruction of ``kind`` moving a ``nbytes`` buffer."""
+        rows = dims_of(tuple_elements(instr.result)[-1])[:1] or [0]
+        return self.link(kind, nbytes, replica_groups(instr.rest), rows[0])
+
     def link(
         self, kind: str, nbytes: float, groups: list[list[int]] | None, rows: int = 0
     ) -> tuple[float, float, float]:
@@ -317,8 +322,7 @@ def _walk(instrs: list[Instr], model: _CostModel, times: float, shares: dict[str
             continue
         kind, nbytes = found
         cat = category(kind, op_name(instr))
-        rows = dims_of(tuple_elements(instr.result)[-1])[:1] or [0]
-        nvl, net, link = model.link(kind, nbytes, replica_groups(instr.rest), rows[0])
+        nvl, net, link = model.collective_link(instr, kind, nbytes)
         share = shares.setdefault(cat, Share())
         share.count += times
         share.bytes += times * nbytes
@@ -333,6 +337,73 @@ def _walk(instrs: list[Instr], model: _CostModel, times: float, shares: dict[str
         land(flight)
 
 
+def _cost_model(
+    text: str,
+    system: System,
+    domain_of: np.ndarray,
+    ragged_rows: int | None,
+    dynamic_trips: DynamicTrips | None,
+    expert_rows: ExpertRows | None,
+) -> tuple[_CostModel, dict[str, float]]:
+    """The cost model of a scheduled program, and how many times a step runs each computation."""
+    comps = parse_computations(text)
+    types = {i.name: i.result for instrs in comps.values() for i in instrs}
+    mult, loops = multiplicities(comps, types, dynamic_trips)
+    trips: dict[str, float] = {}
+    for body, n in loops:
+        trips.setdefault(body, n)
+    return _CostModel(comps, types, trips, system, domain_of, ragged_rows, expert_rows), mult
+
+
+def latency_profile(
+    text: str,
+    system: System,
+    domain_of: np.ndarray,
+    ragged_rows: int | None = None,
+    dynamic_trips: DynamicTrips | None = None,
+    expert_rows: ExpertRows | None = None,
+) -> str:
+    """The cost model's time for every instruction the scheduler places in a scheduled program,
+    as the profile XLA:GPU's profile-guided latency estimator reads (a ``ProfiledInstructionsProto``
+    in text: ``costs { name: "fusion.12" cost_us: 41.5 }``, a collective under its ``-start``'s
+    name).
+
+    Without a profile the latency-hiding scheduler's own estimator gives every kernel about the
+    same small cost and every collective the same latency, so it starts a large gather only a few
+    kernels before its use. A profile measured on the GPU corrects that; this one says what the
+    cost model says, so that a second compile is scheduled as if the model's costs were
+    measured (``compile.profile_guided``)."""
+    model, _ = _cost_model(text, system, domain_of, ragged_rows, dynamic_trips, expert_rows)
+    lines = []
+    for instr in scheduled_instructions(model.comps):
+        if found := collective_bytes(instr, model.types):
+            seconds = model.collective_link(instr, *found)[2]
+        else:
+            seconds = model.seconds(instr)
+        lines.append(f'costs {{ name: "{instr.name}" cost_us: {seconds * 1e6:.3f} }}')
+    return "\n".join(lines) + "\n"
+
+
+def scheduled_instructions(comps: dict[str, list[Instr]]) -> list[Instr]:
+    """The instructions a schedule orders that launch work: not those inside fused kernels or
+    reducers (the computations a fusion's ``calls=`` or a reduction's ``to_apply=`` names), nor
+    the free ones and a collective's ``-done``."""
+    inside = {
+        callee
+        for instrs in comps.values()
+        for i in instrs
+        for key, callee in CALLEE.findall(i.rest)
+        if (key == "calls" and i.opcode == "fusion") or (key == "to_apply" and i.opcode != "call")
+    }
+    return [
+        i
+        for name, instrs in comps.items()
+        if name not in inside
+        for i in instrs
+        if i.opcode not in FREE and not i.opcode.endswith("-done")
+    ]
+
+
 def overlap(
     text: str,
     system: System,
@@ -345,13 +416,8 @@ def overlap(
     the NVLink domain of partition p (the mesh's p-th device); ``ragged_rows`` the rows a
     ragged-all-to-all moves under balanced routing (None: its whole buffer); ``expert_rows`` the
     rows a grouped GEMM kernel computes (``hlo_stats.ExpertRows``)."""
-    comps = parse_computations(text)
-    types = {i.name: i.result for instrs in comps.values() for i in instrs}
-    mult, loops = multiplicities(comps, types, dynamic_trips)
-    trips: dict[str, float] = {}
-    for body, n in loops:
-        trips.setdefault(body, n)
-    model = _CostModel(comps, types, trips, system, domain_of, ragged_rows, expert_rows)
+    model, mult = _cost_model(text, system, domain_of, ragged_rows, dynamic_trips, expert_rows)
+    comps, types = model.comps, model.types
     shares: dict[str, Share] = {c: Share() for c in CATEGORIES}
     for name, instrs in comps.items():
         if mult.get(name) and any(i.opcode.endswith("-start") or collective_bytes(i, types) for i in instrs):

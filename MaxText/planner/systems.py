@@ -71,3 +71,9 @@ SYSTEMS: dict[str, System] = {
         System("h800", "H800", 3.35e12, 200 * GB, 8, 50 * GB, 8, False),
     )
 }
+
+
+def system_of_device(device_kind: str) -> System | None:
+    """The system whose GPU a JAX ``device_kind`` names (``NVIDIA GB200``: GB200, not B200)."""
+    named = [s for s in SYSTEMS.values() if s.device_kind.lower() in device_kind.lower()]
+    return max(named, key=lambda s: len(s.device_kind), default=None)

@@ -27,6 +27,7 @@ import flax.linen as nn
 import jax
 from tqdm import tqdm
 
+from MaxText.aot.compile import compile_for_devices
 from MaxText.checkpointing import Checkpoints, load_moe_bias, load_parameters
 from MaxText.checkpointing.local import LocalCheckpoints
 from MaxText.checkpointing.tiers import restore_newest
@@ -195,7 +196,8 @@ def train(config: Config) -> RunResult:
         inputs = abstract_batch(config, mesh)
         # on a GPU, XLA plans for the memory the allocator holds (train/xla_memory.py)
         options = device_compiler_options(jax.local_devices()[0], step_io_bytes(abstract, inputs))
-        compiled_step = step_fn.lower(abstract, inputs).compile(compiler_options=options or None)
+        # on a GPU with latency_profile: model, twice (aot/compile.py: profile_guided)
+        compiled_step = compile_for_devices(step_fn.lower(abstract, inputs), options, config, mesh)
         memory = check_step_fits(compiled_step, jax.local_devices())
         wait_for_every_process("step compiled")
     log(f"step compiled in {goodput.totals['compile']:.1f} s; {memory['total'] / 1e9:.2f} GB per device (XLA)")
