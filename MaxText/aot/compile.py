@@ -282,16 +282,16 @@ def ragged_rows(config: Config, tokens_per_device: int, ep: int, exchange: str =
     return round(tokens_per_device * reached)
 
 
-def cost_model_inputs(config: Config, mesh: jax.sharding.Mesh, system: System, exchange: str) -> tuple:
+def cost_model_inputs(config: Config, mesh: jax.sharding.Mesh, system: System, exchange: str, ep: int) -> tuple:
     """What the cost model (``overlap.py``) needs besides a program compiled for ``mesh`` on
-    ``system``: the system, each device's NVLink domain, the rows a ragged ``exchange`` moves and
-    the data-dependent loops' trips and grouped GEMMs' rows under balanced routing. Called where
-    the step is traced (the mesh and the logical-axis rules set), which name the expert axis."""
+    ``system`` with ``ep``-way expert parallelism: the system, each device's NVLink domain, the
+    rows a ragged ``exchange`` moves and the data-dependent loops' trips and grouped GEMMs' rows
+    under balanced routing. The two-hop exchange's rows come from sampling the router, which runs
+    on the host's devices: called outside a compile-only mesh."""
     devices = mesh.devices.size
     routed_per_device = config.routed_tokens_per_device(devices)
     if exchange in CHUNKED_EXCHANGES:  # each chunk's own kernels and buffers
         routed_per_device //= config.moe_exchange_chunks
-    ep = mesh.shape[axis] if (axis := expert_axis()) else 1
     domain_size = system.domain_gpus(devices)
     domain_of = np.array([d.id // domain_size for d in mesh.devices.flat])
     return (
@@ -343,7 +343,8 @@ def compile_for_devices(
     lowered: jax.stages.Lowered, options: dict, config: Config, mesh: jax.sharding.Mesh
 ) -> jax.stages.Compiled:
     """The training loop's compile of its step: on a GPU under ``latency_profile``
-    (``profile_guided``), elsewhere once. Called where the step is traced (``cost_model_inputs``)."""
+    (``profile_guided``), elsewhere once. Called where the step is traced: the mesh and the
+    logical-axis rules name the expert axis."""
     device = mesh.devices.flat[0]
     if device.platform != "gpu" or not config.latency_profile:
         return lowered.compile(compiler_options=options or None)
@@ -353,7 +354,8 @@ def compile_for_devices(
             raise ConfigError(
                 f"config key 'latency_profile': model, but the cost model has no GPU named {device.device_kind!r}"
             )
-        inputs = cost_model_inputs(config, mesh, system, resolve_exchange(config.moe_ep_comm, "gpu"))
+        ep = mesh.shape[axis] if (axis := expert_axis()) else 1
+        inputs = cost_model_inputs(config, mesh, system, resolve_exchange(config.moe_ep_comm, "gpu"), ep)
     (compiled,), _ = profile_guided(
         lambda opts: (lowered.compile(compiler_options=opts),), options, config.latency_profile, inputs
     )
@@ -424,8 +426,10 @@ def _compile(
     routed_per_device = config.routed_tokens_per_device(len(devices))
     if choice.exchange_compiled in CHUNKED_EXCHANGES:  # each chunk's own kernels and buffers
         routed_per_device //= config.moe_exchange_chunks
-    with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)), moe_context(config, mesh, tokens_per_device):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)):
         ep = mesh.shape[axis] if (axis := expert_axis()) else 1
+    model_inputs = cost_model_inputs(config, mesh, target.hardware, choice.exchange_compiled, ep) if target else None
+    with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)), moe_context(config, mesh, tokens_per_device):
         head_split = bool(vocab_group(config.vocab_size, config.vocab_axes()))
         t0 = time.perf_counter()
         lowered = step.lower(state, batch)
@@ -434,10 +438,9 @@ def _compile(
         options = {}
         if target:  # XLA plans for the allocator's share of the HBM, as the training loop has it
             options = xla_memory.compiler_options(target.hbm_bytes, memory_fraction * target.hbm_bytes, io_bytes)
-        model_inputs, first = None, None
+        first = None
         # custom partitioning (cuDNN attention) calls back into Python here
         if target:
-            model_inputs = cost_model_inputs(config, mesh, target.hardware, choice.exchange_compiled)
             (compiled, host_decided), first = profile_guided(
                 lambda opts: _compile_lowered(lowered, True, opts), options, config.latency_profile, model_inputs
             )
