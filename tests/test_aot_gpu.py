@@ -25,7 +25,7 @@ from MaxText.aot.hlo_stats import (
     replica_groups,
     tuple_elements,
 )
-from MaxText.aot.overlap import latency_profile, overlap
+from MaxText.aot.overlap import CostInputs, ScheduledProgram, overlap
 from MaxText.aot.targets import TARGETS
 from MaxText.config import load_config
 from MaxText.models.accounting import memory_estimate
@@ -530,8 +530,8 @@ def test_overlap_credits_the_computation_between_start_and_done():
     system = SYSTEMS["gb200-nvl72"]
     program = OVERLAP_PROGRAM
     one_rack = np.zeros(4, int)
-    hidden = overlap(program.replace("SYNC", "false"), system, one_rack)
-    exposed = overlap(program.replace("SYNC", "true"), system, one_rack)
+    hidden = overlap(program.replace("SYNC", "false"), CostInputs(system, one_rack))
+    exposed = overlap(program.replace("SYNC", "true"), CostInputs(system, one_rack))
     gathers = hidden.shares["FSDP weight gathers"]
     assert gathers.count == 1 and gathers.bytes == 2 * 4096 * 4096
     assert gathers.nvlink_bytes == 2 * 4096 * 4096 * 3 / 4 and gathers.network_bytes == 0
@@ -546,11 +546,8 @@ def test_the_latency_profile_gives_each_instruction_its_modelled_time():
     under its start's name, a kernel's roofline time, nothing for what launches no kernel."""
     system = SYSTEMS["gb200-nvl72"]
     program = OVERLAP_PROGRAM.replace("SYNC", "false")
-    costs = dict(
-        re.findall(
-            r'costs \{ name: "([\w.\-]+)" cost_us: ([\d.]+) \}', latency_profile(program, system, np.zeros(4, int))
-        )
-    )
+    profile = ScheduledProgram(program, CostInputs(system, np.zeros(4, int))).latency_profile()
+    costs = dict(re.findall(r'costs \{ name: "([\w.\-]+)" cost_us: ([\d.]+) \}', profile))
     assert set(costs) == {"s", "f"}  # the gather and the fusion, not the dot inside it
     gather = 2 * 4096 * 4096 * 3 / 4 / (system.nvlink_bw * COLLECTIVE_EFFICIENCY)
     assert float(costs["s"]) == pytest.approx(gather * 1e6, rel=1e-3)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from MaxText.aot.compute_time import XLA_REMAT, scope_of
-from MaxText.aot.overlap import overlap
+from MaxText.aot.overlap import CostInputs, overlap
 from MaxText.planner.constants import GEMM_EFFICIENCY
 from MaxText.planner.systems import SYSTEMS
 
@@ -55,7 +55,7 @@ def test_computation_time_by_scope_pass_and_kind():
     experts), then one elementwise op outside the model: each in its scope, pass and kind, and
     the parts add up to the modelled computation time."""
     system = SYSTEMS["gb200-nvl72"]
-    report = overlap(PROGRAM, system, np.zeros(1, int))
+    report = overlap(PROGRAM, CostInputs(system, np.zeros(1, int)))
     b = report.compute
     matrix = 2 * N * N  # bytes of one bf16 [N, N]
     dot = 2 * N**3 / (system.peak_flops("bf16") * GEMM_EFFICIENCY["dense"]["bf16"])
@@ -104,7 +104,7 @@ def test_loops_the_data_decides_are_counted_with_their_kernels():
     """The same loop, its bound read from an operand instead of a constant: one iteration counted
     (the trip count a compile cannot know, as XLA counts it), its two kernels inside."""
     decided_by_data = PROGRAM.replace("%n = s32[] constant(3)", "%n = s32[] get-tuple-element(%q), index=0")
-    b = overlap(decided_by_data, SYSTEMS["gb200-nvl72"], np.zeros(1, int)).compute
+    b = overlap(decided_by_data, CostInputs(SYSTEMS["gb200-nvl72"], np.zeros(1, int))).compute
     assert (b["kernels"], b["data_dependent_iterations"], b["kernels_in_data_dependent_loops"]) == (3, 1, 2)
 
 
@@ -112,7 +112,7 @@ def test_xla_rematerialisation_is_its_own_pass():
     """A copy XLA's rematerialisation pass cloned (named ``<name>.remat2``, the op name of what it
     cloned kept) is counted as XLA's recomputation, not as the forward pass its op name says."""
     cloned = PROGRAM.replace("%c = ", "%c.remat2 = ").replace("tuple(%i, %c)", "tuple(%i, %c.remat2)")
-    b = overlap(cloned, SYSTEMS["gb200-nvl72"], np.zeros(1, int)).compute
+    b = overlap(cloned, CostInputs(SYSTEMS["gb200-nvl72"], np.zeros(1, int))).compute
     experts = b["by_scope"]["moe_layers: moe/routed_experts"]
     assert experts["bytes"] > 0 and experts["forward"] == 0
     assert experts["xla remat"] == pytest.approx(experts["bytes"])

@@ -37,8 +37,8 @@ import jax
 import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
-from MaxText.aot.hlo_stats import hlo_stats, parse_computations
-from MaxText.aot.overlap import latency_profile, overlap, scheduled_instructions
+from MaxText.aot.hlo_stats import hlo_stats
+from MaxText.aot.overlap import CostInputs, ScheduledProgram
 from MaxText.aot.report import AotReport, Choices
 from MaxText.aot.targets import GpuTarget, answering_device_queries
 from MaxText.aot.thunks import read_dump
@@ -282,46 +282,50 @@ def ragged_rows(config: Config, tokens_per_device: int, ep: int, exchange: str =
     return round(tokens_per_device * reached)
 
 
-def cost_model_inputs(config: Config, mesh: jax.sharding.Mesh, system: System, exchange: str, ep: int) -> tuple:
+def routed_per_chunk(config: Config, devices: int, exchange: str) -> int:
+    """The routed tokens one device's MoE kernels and buffers take at a time: all of its own, or
+    one chunk's with a chunked ``exchange`` (``moe_exchange_chunks``)."""
+    routed = config.routed_tokens_per_device(devices)
+    return routed // config.moe_exchange_chunks if exchange in CHUNKED_EXCHANGES else routed
+
+
+def cost_model_inputs(config: Config, mesh: jax.sharding.Mesh, system: System, exchange: str, ep: int) -> CostInputs:
     """What the cost model (``overlap.py``) needs besides a program compiled for ``mesh`` on
-    ``system`` with ``ep``-way expert parallelism: the system, each device's NVLink domain, the
-    rows a ragged ``exchange`` moves and the data-dependent loops' trips and grouped GEMMs' rows
+    ``system`` with ``ep``-way expert parallelism and ``exchange``: each device's NVLink domain,
+    the rows a ragged exchange moves and the data-dependent loops' trips and grouped GEMMs' rows
     under balanced routing. The two-hop exchange's rows come from sampling the router, which runs
     on the host's devices: called outside a compile-only mesh."""
     devices = mesh.devices.size
-    routed_per_device = config.routed_tokens_per_device(devices)
-    if exchange in CHUNKED_EXCHANGES:  # each chunk's own kernels and buffers
-        routed_per_device //= config.moe_exchange_chunks
+    routed = routed_per_chunk(config, devices, exchange)
     domain_size = system.domain_gpus(devices)
-    domain_of = np.array([d.id // domain_size for d in mesh.devices.flat])
-    return (
+    return CostInputs(
         system,
-        domain_of,
-        ragged_rows(config, routed_per_device, ep, exchange),
-        balanced_block_trips(config, routed_per_device, ep),
-        balanced_expert_rows(config, routed_per_device),
+        np.array([d.id // domain_size for d in mesh.devices.flat]),
+        ragged_rows(config, routed, ep, exchange),
+        balanced_block_trips(config, routed, ep),
+        balanced_expert_rows(config, routed),
     )
 
 
 def profile_guided(
-    compile_once: Callable[[dict], tuple], options: dict, setting: str, model_inputs: tuple | None
-) -> tuple[tuple, tuple | None]:
+    compile_once: Callable[[dict], tuple], options: dict, setting: str, inputs: CostInputs | None
+) -> tuple[tuple, ScheduledProgram | None]:
     """Compile for a GPU under ``latency_profile`` (base.yml): ``""`` once, XLA's scheduler with
     its own estimates; a file, once with that profile; ``model``, twice, the second time with the
-    cost model's time for every instruction of the first (``overlap.latency_profile``), which is
-    what a profile measured on the GPU would tell it if the model were right. Up to the scheduler
-    both compiles are the same, so the instructions' names match (the AOT report says how many
-    did: ``profile_names_found``). ``compile_once(options)`` returns a tuple whose first element
-    is the compiled program; this returns the last one's and the first's (None when there was
-    one compile)."""
+    cost model's time for every instruction of the first (``ScheduledProgram.latency_profile``),
+    which is what a profile measured on the GPU would tell it if the model were right. Up to the
+    scheduler both compiles are the same, so the instructions' names match (the AOT report says
+    how many did: ``profile_names_found``). ``compile_once(options)`` returns a tuple whose first
+    element is the compiled program; this returns the last one's and the first program as the
+    cost model read it (None when there was one compile)."""
     if not setting:
         return compile_once(options), None
     if setting != "model":
         return compile_once(
             {**options, PROFILE_OPTION: _stable_copy(Path(setting).read_bytes(), Path(setting).suffix)}
         ), None
-    first = compile_once(options)
-    profile = latency_profile(first[0].as_text(), *model_inputs).encode()
+    first = ScheduledProgram(compile_once(options)[0].as_text(), inputs)
+    profile = first.latency_profile().encode()
     return compile_once({**options, PROFILE_OPTION: _stable_copy(profile, ".pbtxt")}), first
 
 
@@ -423,12 +427,14 @@ def _compile(
     state_shardings = jax.tree.map(lambda leaf: leaf.sharding, state)
     step = jit_train_step(model, config, optimizer, state_shardings, batch_sharding(mesh, config))
     tokens_per_device = config.tokens_per_device(len(devices))
-    routed_per_device = config.routed_tokens_per_device(len(devices))
-    if choice.exchange_compiled in CHUNKED_EXCHANGES:  # each chunk's own kernels and buffers
-        routed_per_device //= config.moe_exchange_chunks
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)):
         ep = mesh.shape[axis] if (axis := expert_axis()) else 1
-    model_inputs = cost_model_inputs(config, mesh, target.hardware, choice.exchange_compiled, ep) if target else None
+    if target:  # outside the compile-only mesh: see cost_model_inputs
+        inputs = cost_model_inputs(config, mesh, target.hardware, choice.exchange_compiled, ep)
+        block_trips, expert_rows = inputs.dynamic_trips, inputs.expert_rows
+    else:
+        routed = routed_per_chunk(config, len(devices), choice.exchange_compiled)
+        block_trips, expert_rows = balanced_block_trips(config, routed, ep), balanced_expert_rows(config, routed)
     with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)), moe_context(config, mesh, tokens_per_device):
         head_split = bool(vocab_group(config.vocab_size, config.vocab_axes()))
         t0 = time.perf_counter()
@@ -442,7 +448,7 @@ def _compile(
         # custom partitioning (cuDNN attention) calls back into Python here
         if target:
             (compiled, host_decided), first = profile_guided(
-                lambda opts: _compile_lowered(lowered, True, opts), options, config.latency_profile, model_inputs
+                lambda opts: _compile_lowered(lowered, True, opts), options, config.latency_profile, inputs
             )
         else:
             compiled, host_decided = _compile_lowered(lowered, False, options)
@@ -451,8 +457,6 @@ def _compile(
     slop = xla_memory.slop_used(options)  # the slop factor XLA planned the program with
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    block_trips = balanced_block_trips(config, routed_per_device, ep)
-    expert_rows = balanced_expert_rows(config, routed_per_device)
     text = compiled.as_text()
     stats = hlo_stats(text, dict(mesh.shape), block_trips, SCOPES, expert_rows, host_decided)
     tokens = config.global_batch_size(len(devices)) * config.max_target_length
@@ -460,12 +464,13 @@ def _compile(
     state_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
     schedule = None
     if target:
-        schedule = overlap(text, *model_inputs).as_dict()
+        program = ScheduledProgram(text, inputs)
+        schedule = program.overlap().as_dict()
         if first:  # the first compile's schedule, XLA's own estimates
-            default = overlap(first[0].as_text(), *model_inputs)
+            default = first.overlap()
             schedule["default_estimates"] = {"step_seconds": default.step_seconds, "hidden": default.total.hidden}
-            profiled = {i.name for i in scheduled_instructions(parse_computations(first[0].as_text()))}
-            placed = [i.name for i in scheduled_instructions(parse_computations(text))]
+            profiled = {i.name for i in first.scheduled()}
+            placed = [i.name for i in program.scheduled()]
             schedule["profile_names_found"] = sum(n in profiled for n in placed) / max(len(placed), 1)
     report = AotReport(
         devices=len(devices),

@@ -337,51 +337,71 @@ def _walk(instrs: list[Instr], model: _CostModel, times: float, shares: dict[str
         land(flight)
 
 
-def _cost_model(
-    text: str,
-    system: System,
-    domain_of: np.ndarray,
-    ragged_rows: int | None,
-    dynamic_trips: DynamicTrips | None,
-    expert_rows: ExpertRows | None,
-) -> tuple[_CostModel, dict[str, float]]:
-    """The cost model of a scheduled program, and how many times a step runs each computation."""
-    comps = parse_computations(text)
-    types = {i.name: i.result for instrs in comps.values() for i in instrs}
-    mult, loops = multiplicities(comps, types, dynamic_trips)
-    trips: dict[str, float] = {}
-    for body, n in loops:
-        trips.setdefault(body, n)
-    return _CostModel(comps, types, trips, system, domain_of, ragged_rows, expert_rows), mult
+@dataclass(frozen=True)
+class CostInputs:
+    """What the cost model needs besides a scheduled program: the ``system`` it runs on, the
+    NVLink domain of each partition (``domain_of[p]``: the mesh's p-th device), the rows a
+    ragged-all-to-all moves under balanced routing (``ragged_rows``; None: its whole buffer), the
+    trips of loops the data decides (``dynamic_trips``) and the rows a grouped GEMM kernel
+    computes (``expert_rows``; ``hlo_stats.ExpertRows``)."""
+
+    system: System
+    domain_of: np.ndarray
+    ragged_rows: int | None = None
+    dynamic_trips: DynamicTrips | None = None
+    expert_rows: ExpertRows | None = None
 
 
-def latency_profile(
-    text: str,
-    system: System,
-    domain_of: np.ndarray,
-    ragged_rows: int | None = None,
-    dynamic_trips: DynamicTrips | None = None,
-    expert_rows: ExpertRows | None = None,
-) -> str:
-    """The cost model's time for every instruction the scheduler places in a scheduled program,
-    as the profile XLA:GPU's profile-guided latency estimator reads (a ``ProfiledInstructionsProto``
-    in text: ``costs { name: "fusion.12" cost_us: 41.5 }``, a collective under its ``-start``'s
-    name).
+class ScheduledProgram:
+    """A scheduled GPU program read once under the cost model: what its schedule hides
+    (``overlap``) and each instruction's modelled time as a profile for XLA (``latency_profile``)."""
 
-    Without a profile the latency-hiding scheduler's own estimator gives every kernel about the
-    same small cost and every collective the same latency, so it starts a large gather only a few
-    kernels before its use. A profile measured on the GPU corrects that; this one says what the
-    cost model says, so that a second compile is scheduled as if the model's costs were
-    measured (``compile.profile_guided``)."""
-    model, _ = _cost_model(text, system, domain_of, ragged_rows, dynamic_trips, expert_rows)
-    lines = []
-    for instr in scheduled_instructions(model.comps):
-        if found := collective_bytes(instr, model.types):
-            seconds = model.collective_link(instr, *found)[2]
-        else:
-            seconds = model.seconds(instr)
-        lines.append(f'costs {{ name: "{instr.name}" cost_us: {seconds * 1e6:.3f} }}')
-    return "\n".join(lines) + "\n"
+    def __init__(self, text: str, inputs: CostInputs):
+        comps = parse_computations(text)
+        types = {i.name: i.result for instrs in comps.values() for i in instrs}
+        self.mult, loops = multiplicities(comps, types, inputs.dynamic_trips)
+        trips: dict[str, float] = {}
+        for body, n in loops:
+            trips.setdefault(body, n)
+        self.model = _CostModel(
+            comps, types, trips, inputs.system, inputs.domain_of, inputs.ragged_rows, inputs.expert_rows
+        )
+
+    def scheduled(self) -> list[Instr]:
+        return scheduled_instructions(self.model.comps)
+
+    def latency_profile(self) -> str:
+        """The cost model's time for every instruction the scheduler places, as the profile
+        XLA:GPU's profile-guided latency estimator reads (a ``ProfiledInstructionsProto`` in text:
+        ``costs { name: "fusion.12" cost_us: 41.5 }``, a collective under its ``-start``'s name).
+
+        Without a profile the latency-hiding scheduler's own estimator gives every kernel about
+        the same small cost and every collective the same latency, so it starts a large gather
+        only a few kernels before its use. A profile measured on the GPU corrects that; this one
+        says what the cost model says, so that a second compile is scheduled as if the model's
+        costs were measured (``compile.profile_guided``)."""
+        lines = []
+        for instr in self.scheduled():
+            if found := collective_bytes(instr, self.model.types):
+                seconds = self.model.collective_link(instr, *found)[2]
+            else:
+                seconds = self.model.seconds(instr)
+            lines.append(f'costs {{ name: "{instr.name}" cost_us: {seconds * 1e6:.3f} }}')
+        return "\n".join(lines) + "\n"
+
+    def overlap(self) -> OverlapReport:
+        """The overlap of every asynchronous collective, and the step's modelled time."""
+        model, mult = self.model, self.mult
+        shares: dict[str, Share] = {c: Share() for c in CATEGORIES}
+        for name, instrs in model.comps.items():
+            if mult.get(name) and any(i.opcode.endswith("-start") or collective_bytes(i, model.types) for i in instrs):
+                _walk(instrs, model, mult[name], shares)
+        report = OverlapReport({k: v for k, v in shares.items() if v.count})
+        report.compute_seconds = model.computation_seconds("ENTRY")
+        report.compute = compute_breakdown(model)
+        exposed = report.total.seconds - report.total.hidden_seconds
+        report.step_seconds = report.compute_seconds + exposed
+        return report
 
 
 def scheduled_instructions(comps: dict[str, list[Instr]]) -> list[Instr]:
@@ -404,27 +424,6 @@ def scheduled_instructions(comps: dict[str, list[Instr]]) -> list[Instr]:
     ]
 
 
-def overlap(
-    text: str,
-    system: System,
-    domain_of: np.ndarray,
-    ragged_rows: int | None = None,
-    dynamic_trips: DynamicTrips | None = None,
-    expert_rows: ExpertRows | None = None,
-) -> OverlapReport:
-    """The overlap of every asynchronous collective in a scheduled GPU program. ``domain_of[p]`` is
-    the NVLink domain of partition p (the mesh's p-th device); ``ragged_rows`` the rows a
-    ragged-all-to-all moves under balanced routing (None: its whole buffer); ``expert_rows`` the
-    rows a grouped GEMM kernel computes (``hlo_stats.ExpertRows``)."""
-    model, mult = _cost_model(text, system, domain_of, ragged_rows, dynamic_trips, expert_rows)
-    comps, types = model.comps, model.types
-    shares: dict[str, Share] = {c: Share() for c in CATEGORIES}
-    for name, instrs in comps.items():
-        if mult.get(name) and any(i.opcode.endswith("-start") or collective_bytes(i, types) for i in instrs):
-            _walk(instrs, model, mult[name], shares)
-    report = OverlapReport({k: v for k, v in shares.items() if v.count})
-    report.compute_seconds = model.computation_seconds("ENTRY")
-    report.compute = compute_breakdown(model)
-    exposed = report.total.seconds - report.total.hidden_seconds
-    report.step_seconds = report.compute_seconds + exposed
-    return report
+def overlap(text: str, inputs: CostInputs) -> OverlapReport:
+    """The overlap of every asynchronous collective in a scheduled GPU program (``ScheduledProgram``)."""
+    return ScheduledProgram(text, inputs).overlap()
