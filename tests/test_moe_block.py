@@ -267,3 +267,66 @@ def test_backends_on_rows_already_grouped_by_expert(backend):
             np.testing.assert_allclose(np.asarray(y[r]), np.asarray(expected), rtol=1e-5, atol=1e-5)
         else:
             assert not np.any(np.asarray(y[r])), f"padding row {r} must stay zero"
+
+
+def _nan_past_groups(a, sizes_E):
+    return jnp.where((jnp.arange(a.shape[0]) < sizes_E.sum())[:, None], a, jnp.nan)
+
+
+def _unwritten_past_groups(ragged_dot):
+    """``tokamax_matmul._ragged_dot`` as the GPU kernels behave: the rows past the last group of
+    the output, and of the input's gradient, are left unwritten (NaN here: the worst they hold)."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+    def kernel(x, w, sizes_E, kernels):
+        return _nan_past_groups(ragged_dot(x, w, sizes_E, kernels), sizes_E)
+
+    def forward(x, w, sizes_E, kernels):
+        return kernel(x, w, sizes_E, kernels), (x, w, sizes_E)
+
+    def backward(kernels, residuals, ct):
+        x, w, sizes_E = residuals
+        _, vjp = jax.vjp(lambda x, w: ragged_dot(x, w, sizes_E, kernels), x, w)
+        dx, dw = vjp(ct)
+        return _nan_past_groups(dx, sizes_E), dw, None
+
+    kernel.defvjp(forward, backward)
+    return kernel
+
+
+@pytest.mark.parametrize("capacity", [None, 40])
+def test_tokamax_rows_left_unwritten_past_the_groups_are_never_read(capacity, monkeypatch):
+    """The down projection's output is not zeroed past the last group (``zero_past_groups``):
+    with kernels that leave NaN there and in the input's gradient, each token's weighted sum over
+    its active copies (inactive ones point past the groups, as do copies outside a pass's window
+    when ``capacity`` takes several passes) and every gradient equal a per-token reference."""
+    from MaxText.moe import tokamax_matmul
+    from MaxText.moe.experts import swiglu_experts
+
+    monkeypatch.setattr(tokamax_matmul, "_ragged_dot", _unwritten_past_groups(tokamax_matmul._ragged_dot))
+    cfg = make_config("moe_matmul=tokamax")
+    T, E, K, D, F = 24, 6, 3, 8, 5
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
+    experts = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]), jnp.int32)
+    active = jnp.asarray(rng.random((T, K)) < 0.7)
+    weights = jnp.asarray(rng.random((T, K)), jnp.float32)
+    wi_0, wi_1 = (jnp.asarray(rng.standard_normal((E, D, F)) / 3, jnp.float32) for _ in range(2))
+    wo = jnp.asarray(rng.standard_normal((E, F, D)) / 3, jnp.float32)
+    cot = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
+
+    def moe(x, weights, wi_0, wi_1, wo):
+        y = swiglu_experts(x, experts, active, weights, wi_0, wi_1, wo, cfg, "tokamax", capacity)
+        return jnp.sum(y * cot), y
+
+    def reference(x, weights, wi_0, wi_1, wo):
+        h_TKF = jax.nn.silu(jnp.einsum("td,tkdf->tkf", x, wi_0[experts])) * jnp.einsum("td,tkdf->tkf", x, wi_1[experts])
+        y = jnp.einsum("tkf,tkfd,tk->td", h_TKF, wo[experts], weights * active)
+        return jnp.sum(y * cot), y
+
+    args = (x, weights, wi_0, wi_1, wo)
+    (_, y), grads = jax.jit(jax.value_and_grad(moe, argnums=range(5), has_aux=True))(*args)
+    (_, y_ref), ref_grads = jax.value_and_grad(reference, argnums=range(5), has_aux=True)(*args)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
+    for name, g, g_ref in zip(("x", "weights", "wi_0", "wi_1", "wo"), grads, ref_grads, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-4, atol=1e-5, err_msg=name)

@@ -59,14 +59,19 @@ from MaxText.quantization import recipe_of
 # ahead-of-time compile counts their FLOPs by it.
 EXPERTS_SCOPE = "routed_experts"
 
-# A grouped matmul: rows of the layout times their expert's weight, [P, I] x [E, I, O] -> [P, O].
-GroupedMatmul = Callable[[jax.Array, jax.Array, BlockLayout], jax.Array]
+# A grouped matmul: rows of the layout times their expert's weight, [P, I] x [E, I, O] -> [P, O];
+# the last argument, ``zero_past_groups``, False where the caller reads no row past the last group
+# (those rows are then whatever the kernel leaves there: unspecified).
+GroupedMatmul = Callable[[jax.Array, jax.Array, BlockLayout, bool], jax.Array]
 # A backend: rows of the layout through their expert's SwiGLU, [P, D] x (wi_0, wi_1, wo) -> [P, D],
-# each row's output scaled by ``weight_P`` when given (its router weight).
+# each row's output scaled by ``weight_P`` when given (its router weight); with
+# ``zero_past_groups=False`` the output's rows past the last group are unspecified (the caller
+# zeroes what it reads of them: ``swiglu_experts``, the last row).
 ExpertsBackend = Callable[..., jax.Array]
 
 
-def _blocked(xp_PD, wi_0, wi_1, wo, layout: BlockLayout, config: Config, weight_P=None) -> jax.Array:
+def _blocked(xp_PD, wi_0, wi_1, wo, layout: BlockLayout, config: Config, weight_P=None, zero_past_groups=True):
+    del zero_past_groups  # its padding rows come out zero either way
     # Levels larger than the layout are left out (a small layout: few tokens or a small capacity).
     rows = tuple(B for B in level_rows(config.moe_block_rows, config.moe_min_block_rows) if B <= xp_PD.shape[0])
     blocks = expert_blocks(layout.start_E, layout.padded_E, rows, xp_PD.shape[0])
@@ -80,20 +85,20 @@ def _swiglu_of(matmul: GroupedMatmul) -> ExpertsBackend:
     output ([P, D], D / F = 3.5x larger for DeepSeek-V3): the same product, one pass over the
     layout fewer forward and a smaller reduction for the weights' gradient."""
 
-    def swiglu(xp_PD, wi_0, wi_1, wo, layout, config, weight_P=None):
-        h_PF = jax.nn.silu(matmul(xp_PD, wi_0, layout)) * matmul(xp_PD, wi_1, layout)
+    def swiglu(xp_PD, wi_0, wi_1, wo, layout, config, weight_P=None, zero_past_groups=True):
+        h_PF = jax.nn.silu(matmul(xp_PD, wi_0, layout, True)) * matmul(xp_PD, wi_1, layout, True)
         if weight_P is not None:
             h_PF = h_PF * weight_P[:, None].astype(h_PF.dtype)
-        return matmul(h_PF, wo, layout)
+        return matmul(h_PF, wo, layout, zero_past_groups)
 
     return swiglu
 
 
-def _ragged_dot(x_PI: jax.Array, w_EIO: jax.Array, layout: BlockLayout) -> jax.Array:
-    return jax.lax.ragged_dot(x_PI, w_EIO, layout.sizes_E)
+def _ragged_dot(x_PI: jax.Array, w_EIO: jax.Array, layout: BlockLayout, zero_past_groups: bool) -> jax.Array:
+    return jax.lax.ragged_dot(x_PI, w_EIO, layout.sizes_E)  # zero past the last group either way
 
 
-def _transformer_engine(x_PI: jax.Array, w_EIO: jax.Array, layout: BlockLayout) -> jax.Array:
+def _transformer_engine(x_PI: jax.Array, w_EIO: jax.Array, layout: BlockLayout, zero_past_groups: bool) -> jax.Array:
     """TE wants the groups to cover every row: the layout's trailing zero rows join the last group
     (zero rows give zero outputs)."""
     from transformer_engine.jax.dense import grouped_dense
@@ -101,8 +106,8 @@ def _transformer_engine(x_PI: jax.Array, w_EIO: jax.Array, layout: BlockLayout) 
     return grouped_dense(x_PI, w_EIO, layout.sizes_E.at[-1].add(x_PI.shape[0] - layout.sizes_E.sum()))
 
 
-def _tokamax(x_PI: jax.Array, w_EIO: jax.Array, layout: BlockLayout) -> jax.Array:
-    return tokamax_matmul.grouped_matmul(x_PI, w_EIO, layout.sizes_E)
+def _tokamax(x_PI: jax.Array, w_EIO: jax.Array, layout: BlockLayout, zero_past_groups: bool) -> jax.Array:
+    return tokamax_matmul.grouped_matmul(x_PI, w_EIO, layout.sizes_E, zero_past_groups=zero_past_groups)
 
 
 BACKENDS: dict[str, ExpertsBackend] = {
@@ -131,7 +136,11 @@ def swiglu_experts(
     def one_pass(q):
         layout = block_layout(experts_TK, E, rows, active_TK, capacity, q * (capacity or 0), copies, align)
         weight_P = row_weights(weights_TK, layout)
-        yp_PD = BACKENDS[backend](to_blocks(x_TD, layout), wi_0, wi_1, wo, layout, config, weight_P=weight_P)
+        xp_PD = to_blocks(x_TD, layout)
+        yp_PD = BACKENDS[backend](xp_PD, wi_0, wi_1, wo, layout, config, weight_P=weight_P, zero_past_groups=False)
+        # Only the last row past the groups is read (inactive copies point there): zero it alone,
+        # in place, rather than the whole output.
+        yp_PD = yp_PD.at[-1].set(0)
         return sum_copies(yp_PD, layout.copy_P, layout.valid_P, layout.row_TK)
 
     if capacity is None or capacity >= M:
