@@ -192,10 +192,11 @@ def held_out_points() -> list[Point]:
 
 # The shipped recipes' modelled steps as XLA:GPU compiles them now (``tools/aot_compile.py --target
 # gb200|gb300 --recipe R --json``, ``overlap.step_seconds``; recipes/README.md): 4 and 2 chained
-# exchange chunks, two collectives in flight, gradient reductions pipelined, the scheduler given
-# the cost model's times (docs/LOG.md, 2026-12-07). What the checkpoint
+# exchange chunks with buffers at 1.5x the balanced share, two collectives in flight, gradient
+# reductions pipelined (all-gathers too on GB300), the scheduler given the cost model's times
+# (docs/LOG.md, 2026-12-07). What the checkpoint
 # periods are planned for; the planner's terms were read from the earlier compiles below.
-RECIPE_STEP_SECONDS = {"gb200-nvl72": 5.860, "gb300-nvl72": 2.856}
+RECIPE_STEP_SECONDS = {"gb200-nvl72": 5.560, "gb300-nvl72": 2.722}
 
 
 def compiled_points() -> list[Point]:
