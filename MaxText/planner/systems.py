@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from MaxText.train.metrics import HBM_GB, PEAK_TFLOPS
+from MaxText.train.metrics import HBM_GB, PEAK_TFLOPS, gpu_name
 
 PRECISIONS = ("bf16", "fp8", "mxfp8")
 GB = 1e9
@@ -74,6 +74,7 @@ SYSTEMS: dict[str, System] = {
 
 
 def system_of_device(device_kind: str) -> System | None:
-    """The system whose GPU a JAX ``device_kind`` names (``NVIDIA GB200``: GB200, not B200)."""
-    named = [s for s in SYSTEMS.values() if s.device_kind.lower() in device_kind.lower()]
-    return max(named, key=lambda s: len(s.device_kind), default=None)
+    """The first system whose GPU a JAX ``device_kind`` names (``metrics.gpu_name``: ``NVIDIA
+    GB200`` is a GB200, not a B200)."""
+    name = gpu_name(device_kind)
+    return next((s for s in SYSTEMS.values() if s.device_kind == name), None)

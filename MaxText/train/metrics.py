@@ -53,17 +53,21 @@ METRIC_FIELDS = (
 )
 
 
+def gpu_name(device_kind: str | None) -> str | None:
+    """The first GPU of ``PEAK_TFLOPS`` named in ``device_kind`` (a JAX device kind, or a recipe's
+    file name): "NVIDIA GB200" is a GB200, not a B200."""
+    return next((name for name, _ in PEAK_TFLOPS if device_kind and name.lower() in device_kind.lower()), None)
+
+
 def hbm_gb(device_kind: str | None) -> float | None:
-    """HBM of the first device kind named in ``device_kind`` (a kind, or a recipe's file name)."""
-    return next((gb for name, gb in HBM_GB if device_kind and name.lower() in device_kind.lower()), None)
+    """HBM of the GPU ``device_kind`` names (``gpu_name``)."""
+    return dict(HBM_GB).get(gpu_name(device_kind))
 
 
 def peak_tflops(device_kind: str, dtype: str) -> float | None:
     precision = PRECISION_OF_DTYPE.get(dtype)
-    for name, peaks in PEAK_TFLOPS:
-        if name.lower() in device_kind.lower():
-            return peaks.get(precision) if precision else None
-    return None
+    peaks = dict(PEAK_TFLOPS).get(gpu_name(device_kind))
+    return peaks.get(precision) if peaks and precision else None
 
 
 def throughput(
