@@ -122,7 +122,8 @@ class Config(BaseModel):
     dtype: DType
     weight_dtype: ParamDType
     opt_state_dtype: Literal["auto", "bfloat16", "float32", "float64"]
-    remat_policy: Literal["none", "minimal", "full"]
+    remat_policy: Literal["none", "minimal", "names", "full"]
+    remat_names: list[str]
     vocab_chunks: Count
     quantization: Literal["none", "fp8_blockwise", "mxfp8"]
     fp8_gemm: Literal["auto", "emulate", "cudnn"]
@@ -425,6 +426,10 @@ def check_rules(c: Config) -> None:
             f"the token-dropping baseline has no FP8 path (quantization={c.quantization}); use -1 (dropless)",
         )
     check_pipeline(c)
+    from MaxText.layers.remat import SAVEABLE  # the layers' names (imports jax)
+
+    unknown = [n for n in c.remat_names if n not in SAVEABLE]
+    _require(not unknown, "remat_names", f"unknown tensor names {unknown}; known: {list(SAVEABLE)}")
     unknown = [a for a in c.vocab_parallel_axes if a not in MESH_AXES] if c.vocab_parallel_axes != "auto" else []
     _require(not unknown, "vocab_parallel_axes", f"unknown mesh axes {unknown}; known: {list(MESH_AXES)}")
     for name, axes in c.logical_axis_rules:

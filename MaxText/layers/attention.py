@@ -22,6 +22,7 @@ from MaxText.config import Config
 from MaxText.layers.attention_ops import attend
 from MaxText.layers.common import project
 from MaxText.layers.norms import RMSNorm
+from MaxText.layers.remat import saved
 from MaxText.layers.rotary import apply_rope
 from MaxText.parallel.sharding import constrain
 
@@ -38,19 +39,23 @@ class MLA(nn.Module):
 
         # Queries: [B, S, H, nope + rope], optionally through the low-rank bottleneck.
         if c.q_lora_rank > 0:
-            cq_BSR = project(self, "wq_a", c, x_BSD, (D, c.q_lora_rank), ("embed", "q_lora"))
+            cq_BSR = saved(project(self, "wq_a", c, x_BSD, (D, c.q_lora_rank), ("embed", "q_lora")), "query_latent")
             cq_BSR = RMSNorm(c, name="q_norm")(cq_BSR)
             q_BSHK = project(self, "wq_b", c, cq_BSR, (c.q_lora_rank, H, nope + rope), ("q_lora", "heads", "head_dim"))
+            q_BSHK = saved(q_BSHK, "query")
         else:
-            q_BSHK = project(self, "wq", c, x_BSD, (D, H, nope + rope), ("embed", "heads", "head_dim"))
+            q_BSHK = saved(project(self, "wq", c, x_BSD, (D, H, nope + rope), ("embed", "heads", "head_dim")), "query")
         q_nope, q_rope = q_BSHK[..., :nope], q_BSHK[..., nope:]
         q_rope = apply_rope(q_rope, positions_BS, c)
 
         # Keys and values from the compressed latent; the rotary key is shared by all heads.
-        kv_a = project(self, "wkv_a", c, x_BSD, (D, c.kv_lora_rank + rope), ("embed", "kv_lora"))
+        kv_a = saved(
+            project(self, "wkv_a", c, x_BSD, (D, c.kv_lora_rank + rope), ("embed", "kv_lora")), "key_value_latent"
+        )
         latent_BSR = RMSNorm(c, name="kv_norm")(kv_a[..., : c.kv_lora_rank])
         k_rope_BS1 = apply_rope(kv_a[..., None, c.kv_lora_rank :], positions_BS, c)
         kv_BSHK = project(self, "wkv_b", c, latent_BSR, (c.kv_lora_rank, H, nope + V), ("kv_lora", "heads", "head_dim"))
+        kv_BSHK = saved(kv_BSHK, "key_value")
         k_nope, v_BTHV = kv_BSHK[..., :nope], kv_BSHK[..., nope:]
 
         # Causal, document-masked softmax attention over per-head [nope ; rope] queries and keys.
@@ -59,4 +64,6 @@ class MLA(nn.Module):
         out_BSHV = attend(q_BSHK, k_BTHK, v_BTHV, segment_ids_BS, c)
         out_BSHV = constrain(out_BSHV, ("activation_batch", "activation_length", "activation_heads", None))
 
-        return project(self, "wo", c, out_BSHV, (H, V, D), ("heads", "head_dim", "embed"), contract=2)
+        return saved(
+            project(self, "wo", c, out_BSHV, (H, V, D), ("heads", "head_dim", "embed"), contract=2), "attention_out"
+        )

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from MaxText.layers.common import float32_or_wider
+from MaxText.layers.remat import saved
 
 
 def flash_attention(
@@ -134,6 +135,8 @@ def _flash(q_BSHK, k_BTHK, v_BTHV, seg_BS, scale, block_q, block_kv):
 
 def _flash_fwd(q_BSHK, k_BTHK, v_BTHV, seg_BS, scale, block_q, block_kv):
     out_BSHV, lse_BHS = _forward(q_BSHK, k_BTHK, v_BTHV, seg_BS, scale, block_q, block_kv)
+    # named, so that ``remat_policy: names`` with ``attention`` keeps what the backward reads
+    out_BSHV, lse_BHS = saved(out_BSHV, "attention"), saved(lse_BHS, "attention")
     return out_BSHV, (q_BSHK, k_BTHK, v_BTHV, seg_BS, out_BSHV, lse_BHS)
 
 

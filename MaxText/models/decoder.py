@@ -19,6 +19,7 @@ from MaxText.config import Config
 from MaxText.layers.attention import MLA
 from MaxText.layers.mlp import SwiGLU
 from MaxText.layers.norms import RMSNorm
+from MaxText.layers.remat import remat_policy
 from MaxText.moe.block import BIAS, LOAD, LOSS, MOE_COLLECTIONS, MoEBlock
 from MaxText.parallel.axes import STAGE_AXIS
 from MaxText.parallel.pipeline import circular_pipeline, from_stages, to_stages
@@ -26,11 +27,6 @@ from MaxText.parallel.sharding import constrain, interleaved_join, interleaved_s
 
 ACTIVATION_AXES = ("activation_batch", "activation_length", "activation_embed")
 PIPELINE_LAYERS = "pipeline_layers"  # the logical name of the pipelined stack's layer dim (split over stage)
-
-REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
 
 
 class DecoderLayer(nn.Module):
@@ -67,9 +63,9 @@ class LayerStack(nn.Module):
         stages = jax.sharding.get_abstract_mesh().shape.get(STAGE_AXIS, 1)
         if self.pipeline and stages > 1 and not self.is_initializing():
             return self.pipelined(stages, x_BSD, positions_BS, segment_ids_BS)
-        layer = DecoderLayer
-        if c.remat_policy != "none":
-            layer = nn.remat(layer, policy=REMAT_POLICIES[c.remat_policy], prevent_cse=False)
+        layer, policy = DecoderLayer, remat_policy(c.remat_policy, c.remat_names)
+        if policy is not None:
+            layer = nn.remat(layer, policy=policy, prevent_cse=False)
         stacked = nn.scan(
             layer,
             variable_axes={"params": 0, **{name: 0 for name in MOE_COLLECTIONS}},
@@ -105,7 +101,7 @@ class LayerStack(nn.Module):
             split(x_BSD),
             (split(positions_BS), split(segment_ids_BS)),
             lanes=lanes,
-            remat_policy=REMAT_POLICIES.get(c.remat_policy),
+            remat_policy=remat_policy(c.remat_policy, c.remat_names),
         )
         if self.is_mutable_collection(LOAD):
             self.put_variable(LOAD, "layers", from_stages(load))

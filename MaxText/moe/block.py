@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from MaxText.config import Config
 from MaxText.layers.common import activation_dtype, float32_or_wider, kernel_init, param, weight_dtype
 from MaxText.layers.mlp import SwiGLU
+from MaxText.layers.remat import saved
 from MaxText.moe.expert_parallel import WI_AXES, WO_AXES
 from MaxText.moe.experts import routed_experts
 from MaxText.moe.router import Routing, route, sequence_balance_loss, tokens_per_expert
@@ -64,6 +65,7 @@ class MoEBlock(nn.Module):
         gate_DE = self.param("router", kernel_init(c, ("embed", None)), (D, E), weight_dtype(c))
         bias = self.variable(BIAS, "router", nn.with_logical_partitioning(jnp.zeros, (None,)), (E,), router_dtype)
         logits_BSE = jnp.einsum("bsd,de->bse", x_BSD.astype(router_dtype), gate_DE.astype(router_dtype))
+        logits_BSE = saved(logits_BSE, "router_logits")
         routing = route_token_shards(logits_BSE.reshape(B * S, E), bias.value, c)
 
         # Dropless routed experts (dispatch, grouped SwiGLU, weighted combine) by the chosen backend.

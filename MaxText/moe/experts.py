@@ -37,6 +37,7 @@ import jax
 
 from MaxText.config import Config, ConfigError
 from MaxText.layers.common import import_error
+from MaxText.layers.remat import saved
 from MaxText.moe import tokamax_matmul
 from MaxText.moe.blocked import blocked_swiglu, expert_blocks, level_rows
 from MaxText.moe.capacity import capacity_experts
@@ -86,7 +87,8 @@ def _swiglu_of(matmul: GroupedMatmul) -> ExpertsBackend:
     layout fewer forward and a smaller reduction for the weights' gradient."""
 
     def swiglu(xp_PD, wi_0, wi_1, wo, layout, config, weight_P=None, zero_past_groups=True):
-        h_PF = jax.nn.silu(matmul(xp_PD, wi_0, layout, True)) * matmul(xp_PD, wi_1, layout, True)
+        gate_PF = saved(matmul(xp_PD, wi_0, layout, True), "routed_gate_up")
+        h_PF = jax.nn.silu(gate_PF) * saved(matmul(xp_PD, wi_1, layout, True), "routed_gate_up")
         if weight_P is not None:
             h_PF = h_PF * weight_P[:, None].astype(h_PF.dtype)
         return matmul(h_PF, wo, layout, zero_past_groups)
