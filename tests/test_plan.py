@@ -109,9 +109,50 @@ def test_memory_and_time_grow_with_batch_sequence_and_layers():
     assert more_steps.compute_time == pytest.approx(2 * base.compute_time, rel=1e-9)
     assert base.step_time < more_steps.step_time <= 2 * base.step_time  # the gradient sync is once per step
     remats = [
-        estimate(spec, ours(8, 1, remat=r), gb200, stack).memory["activations"] for r in ("full", "minimal", "none")
+        estimate(spec, ours(8, 1, remat=r), gb200, stack).memory["activations"] for r in ("full", "names", "none")
     ]
     assert remats == sorted(remats)
+
+
+def test_gradient_accumulation_holds_a_second_gradient(v3):
+    """The step's scan carries the running sum beside each micro-batch's gradient (train/step.py):
+    one more gradient's bytes in the sharded state, the weights' dtype per trainable element."""
+    gb300 = SYSTEMS["gb300-nvl72"]
+    once, twice = (
+        estimate(v3, Layout({"expert": 64}, {"data": 16}, mbs=mbs, gbs=2048), gb300, XLA).memory["state"]
+        for mbs in (2, 1)
+    )
+    trainable_per_gpu = (v3.params_dense + v3.params_expert) / 64 * 4  # float32, every weight split over expert
+    assert twice - once == pytest.approx(trainable_per_gpu, rel=0.05)
+
+
+def test_names_remat_keeps_what_remat_names_lists():
+    """``names`` costs the config's ``remat_names``: the routed experts' gate and up outputs fill
+    the exchange's buffer rows, so they grow with ``moe_ep_buffer_factor``; dropping a name keeps less."""
+    kept = from_config(load_config(["model_name=deepseek3-671b", "run_name=t"])).act_names
+    fewer = load_config(["model_name=deepseek3-671b", "run_name=t", "remat_names=[attention,routed_gate_up]"])
+    wider = load_config(["model_name=deepseek3-671b", "run_name=t", "moe_ep_buffer_factor=3"])
+    c = wider
+    routed = 2 * c.num_experts_per_tok * c.base_moe_mlp_dim * (c.num_moe_layers + c.mtp_num_layers)
+    assert from_config(wider).act_names - kept == pytest.approx(routed * (3 - 2))
+    assert from_config(fewer).act_names < kept
+
+
+def test_names_remat_reruns_the_kernels_it_does_not_keep(v3):
+    """Under ``names`` the routed experts' gate and up GEMMs (2/3 of their forward) and the
+    attention kernel's forward run again in the backward pass unless ``remat_names`` keeps them."""
+    gb300, layout = (
+        SYSTEMS["gb300-nvl72"],
+        Layout({"expert": 64}, {"fsdp": 2, "data": 8}, mbs=2, gbs=2048, remat="names"),
+    )
+    config = v3.config
+    kept = estimate(v3, layout, gb300, XLA).math
+    rerun = estimate(
+        replace(v3, config=config.model_copy(update={"remat_names": ["attention_out"]})), layout, gb300, XLA
+    ).math
+    assert rerun["grouped"] == pytest.approx(kept["grouped"] * (1 + 2 / 9))
+    assert rerun["attention"] == pytest.approx(kept["attention"] * (1 + 1 / 3))
+    assert rerun["dense"] == kept["dense"]
 
 
 def test_a_layout_that_cannot_fit_is_reported(v3):
@@ -134,6 +175,7 @@ def test_efficiencies_and_scaling_never_exceed_one(v3):
             "usable_hbm",
         ):
             assert 0 <= getattr(stack, name) <= 1
+        assert stack.hierarchical_overlap is None or 0 <= stack.hierarchical_overlap <= 1
     for system in ("gb200-nvl72", "gb300-nvl72"):
         for racks in (1, 2, 4, 16):
             for stack in STACKS.values():

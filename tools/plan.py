@@ -41,6 +41,7 @@ import yaml  # noqa: E402
 
 from MaxText.config import ConfigError, load_config  # noqa: E402
 from MaxText.planner.constants import DEFAULT_STACK, STACKS  # noqa: E402
+from MaxText.planner.layout import MODELLED_REMAT  # noqa: E402
 from MaxText.planner.systems import PRECISIONS, SYSTEMS  # noqa: E402
 
 ARCHS = ("qwen3-235b-a22b",)
@@ -102,7 +103,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gbs", type=int, help="The global batch in sequences (default: the config's).")
     p.add_argument(
         "--remat",
-        choices=("none", "minimal", "selective", "full"),
+        choices=MODELLED_REMAT,
         help="The rematerialisation policy to cost (default: the config's remat_policy).",
     )
     p.add_argument("--pipeline", action="store_true", help="Also model pipeline layouts and say what they would gain.")

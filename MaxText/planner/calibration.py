@@ -47,6 +47,7 @@ class Point:
     known_miss: str = ""  # why the point is outside the tolerance, if it is (docs/performance.md, test)
     mtp_layers: int = 0  # MTP modules the run trained with
     exchange: str = ""  # the run's expert exchange, where it is not its stack's
+    exchange_buffer_factor: float = 2.0  # the run's moe_ep_buffer_factor (the planner's default)
 
 
 def _ours(num_gpus: int, gbs: int) -> Layout:
@@ -192,60 +193,61 @@ def held_out_points() -> list[Point]:
 
 # The shipped recipes' modelled steps as XLA:GPU compiles them now (``tools/aot_compile.py --target
 # gb200|gb300 --recipe R --json``, ``overlap.step_seconds``; recipes/README.md): 4 and 2 chained
-# exchange chunks with buffers at 1.5x the balanced share, two collectives in flight, gradient
-# reductions pipelined (all-gathers too on GB300), the scheduler given the cost model's times
-# (docs/LOG.md, 2026-12-07). What the checkpoint
-# periods are planned for; the planner's terms were read from the earlier compiles below.
-RECIPE_STEP_SECONDS = {"gb200-nvl72": 5.560, "gb300-nvl72": 2.722}
+# exchange chunks with buffers at 1.5x the balanced share, up to eight collectives in flight,
+# gradient reductions pipelined (all-gathers too on GB300), the scheduler given the cost model's
+# times, GB300 with remat names (docs/LOG.md, 2026-12-07). What the checkpoint periods are planned
+# for, and the compiles the ``xla`` stack's overlap terms are read from.
+RECIPE_STEP_SECONDS = {"gb200-nvl72": 5.386, "gb300-nvl72": 2.378}
 
 
 def compiled_points() -> list[Point]:
     """The modelled steps of XLA:GPU's compiles of this repository's 671B recipes (one MTP module,
-    bfloat16, the recipes' XLA flags): ``tools/aot_compile.py --target gb200|gb300 --recipe R
-    [key=value ...] --json``, ``overlap.step_seconds`` (docs/planner.md, "The stack this repository
-    runs"). The first two are the compiles the ``xla`` stack's terms were read from: the shipped
-    recipes as of 2026-12-06, their exchange chunks independent and one collective in flight
-    (the recipes since: ``RECIPE_STEP_SECONDS``); the rest were not used for any constant."""
+    bfloat16, the recipes' XLA flags and code of 2026-12-07): ``tools/aot_compile.py --target
+    gb200|gb300 --recipe R [key=value ...] --json``, ``overlap.step_seconds`` (docs/planner.md,
+    "The stack this repository runs"). The first two are the compiles the ``xla`` stack's overlap
+    terms were read from (``RECIPE_STEP_SECONDS``); the rest were not used for any constant.
+    Compiles of older programs and flags, against the terms of their day: docs/planner.md."""
 
-    def gb200(mbs: int, remat: str) -> Layout:
-        return Layout({"expert": 64}, {"fsdp": 2, "data": 2}, mbs=mbs, gbs=256 * mbs, remat=remat)
+    def gb300(gpus: int, data: int, mbs: int = 2) -> Layout:
+        return Layout(
+            {"expert": 64}, {"fsdp": gpus // 64 // data, "data": data}, mbs=mbs, gbs=gpus * mbs, remat="names"
+        )
 
-    def gb300(gpus: int, data: int, mbs: int) -> Layout:
-        fsdp = gpus // 64 // data
-        return Layout({"expert": 64}, {"fsdp": fsdp, "data": data}, mbs=mbs, gbs=gpus * mbs, remat="minimal")
+    def point(name: str, system: str, layout: Layout, seconds: float, factor: float = 1.5) -> Point:
+        return Point(
+            name,
+            "deepseek3-671b",
+            system,
+            "bf16",
+            "xla",
+            layout,
+            seconds,
+            "step_seconds",
+            mtp_layers=1,
+            exchange_buffer_factor=factor,
+        )
 
-    def point(name: str, system: str, layout: Layout, seconds: float) -> Point:
-        return Point(name, "deepseek3-671b", system, "bf16", "xla", layout, seconds, "step_seconds", mtp_layers=1)
-
+    gb200 = Layout({"expert": 64}, {"fsdp": 2, "data": 2}, mbs=4, gbs=1024, remat="full")
     return [
         point(
-            "GB200 recipe as of 2026-12-06: 256 GPUs, 4 per GPU, remat full, 4 chunks (terms read from it)",
-            "gb200-nvl72",
-            gb200(4, "full"),
-            6.325,
+            "GB200 recipe: 256 GPUs, 4 per GPU, remat full, 4 chunks (terms read from it)", "gb200-nvl72", gb200, 5.386
         ),
         point(
-            "GB300 recipe as of 2026-12-06: 1,024 GPUs, 2 per GPU, remat minimal, 2 chunks (terms read from it)",
+            "GB300 recipe: 1,024 GPUs, 2 per GPU, remat names, 2 chunks (terms read from it)",
             "gb300-nvl72",
-            gb300(1024, 8, 2),
-            3.165,
+            gb300(1024, 8),
+            2.378,
         ),
-        # not read from: per_device_batch_size=1 remat_policy=minimal moe_exchange_chunks=1
-        # (and, since the recipe chains its chunks, moe_exchange_pipeline=false)
-        point("GB200 recipe at 1 per GPU, remat minimal, no chunks", "gb200-nvl72", gb200(1, "minimal"), 2.285),
-        # per_device_batch_size=2 remat_policy=full moe_exchange_chunks=1 moe_exchange_pipeline=false
-        point("GB200 recipe at 2 per GPU, remat full, no chunks", "gb200-nvl72", gb200(2, "full"), 3.704),
-        point(
-            "GB300 recipe at 256 GPUs (--devices 256 dcn_data_parallelism=2)", "gb300-nvl72", gb300(256, 2, 2), 3.116
-        ),
-        # the 1-rack JobSet as it is, but for its Adam moments in bfloat16: the planner's optimizer
-        # update reads and writes them in float32 here (0.043 s where bfloat16 would take 0.03)
-        point(
-            "GB300 one rack (the 1-rack JobSet)",
-            "gb300-nvl72",
-            Layout({"expert": 64}, {}, mbs=1, gbs=64, remat="minimal"),
-            1.621,
-        ),
+        # --devices 128 dcn_data_parallelism=1, and --devices 256 dcn_data_parallelism=2
+        point("GB300 recipe at 128 GPUs", "gb300-nvl72", gb300(128, 1), 2.366),
+        point("GB300 recipe at 256 GPUs", "gb300-nvl72", gb300(256, 2), 2.374),
+        # --devices 64 dcn_data_parallelism=1 dcn_fsdp_parallelism=1 opt_state_dtype=bfloat16 (one rack
+        # cannot hold float32 moments at fsdp 1)
+        point("GB300 recipe at 64 GPUs, moments in bfloat16", "gb300-nvl72", gb300(64, 1), 2.396),
+        # the 1-rack JobSet as it is (buffers at the default 2x). Both one-rack points keep Adam's
+        # moments in bfloat16, which a Point cannot say: the planner's optimizer update reads and
+        # writes them in float32 here (about 0.01 s more)
+        point("GB300 one rack (the 1-rack JobSet)", "gb300-nvl72", gb300(64, 1, mbs=1), 1.407, factor=2.0),
     ]
 
 
@@ -265,7 +267,14 @@ def predict(point: Point, spec: ModelSpec | None = None, stack=None):
     from MaxText.planner.systems import SYSTEMS
 
     spec = spec or model_spec(point.model, point.mtp_layers)
-    est = estimate(spec, point.layout, SYSTEMS[point.system], stack or own_stack(point), point.precision)
+    est = estimate(
+        spec,
+        point.layout,
+        SYSTEMS[point.system],
+        stack or own_stack(point),
+        point.precision,
+        exchange_buffer_factor=point.exchange_buffer_factor,
+    )
     value = {
         "scaling_efficiency": est.scaling_efficiency,
         "tokens_per_s": est.tokens_per_s,

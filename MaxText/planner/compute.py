@@ -26,9 +26,12 @@ from MaxText.planner.layout import Layout
 from MaxText.planner.model import ModelSpec
 from MaxText.planner.systems import System
 
-# Extra executed FLOPs over model FLOPs. ``selective`` reruns the MLA up-projections (about 3% of the
-# dense class for DeepSeek-V3), left out here.
-RECOMPUTE = {"none": 0.0, "minimal": 0.0, "selective": 0.0, "full": 1.0 / 3.0}
+# Extra executed FLOPs over model FLOPs. ``selective`` and ``names`` (with base.yml's remat_names)
+# rerun the MLA up-projections (about 3% of the dense class for DeepSeek-V3), left out here.
+RECOMPUTE = {"none": 0.0, "minimal": 0.0, "selective": 0.0, "names": 0.0, "full": 1.0 / 3.0}
+# Under ``names``, the kernel class whose forward reruns unless ``remat_names`` lists its name
+# (the routed experts' gate and up: 2/3 of their forward; the attention kernel: all of it).
+NAMED_KERNELS = {"grouped": "routed_gate_up", "attention": "attention"}
 
 
 def model_flops_per_gpu(spec: ModelSpec, layout: Layout) -> float:
@@ -66,9 +69,12 @@ def math_times(
             rate = system.peak_flops("bf16") * speedup * efficiency
         else:
             rate = system.peak_flops(runs_at) * efficiency * (stack.grouped_scale if kind == "grouped" else 1.0)
-        rerun = 0.0  # the routed experts' two input projections, once more, where the remat keeps them
+        rerun = 0.0  # the routed experts' two input projections (or the attention kernel's forward), once more
         if kind == "grouped" and stack.routed_recompute and layout.remat in ("minimal", "selective"):
             rerun = RECOMPUTE["full"] * 2 / 3
+        named = spec.config.remat_names if spec.config is not None else ()
+        if layout.remat == "names" and kind in NAMED_KERNELS and NAMED_KERNELS[kind] not in named:
+            rerun = RECOMPUTE["full"] * (2 / 3 if kind == "grouped" else 1)
         times[kind] = tokens * flops * (extra + rerun) / rate
     times["elementwise"] = tokens * spec.act_none * ACTIVATION_BYTES * stack.elementwise_passes * extra / system.hbm_bw
     if stack.moe_buffer_passes:  # the exchange's slots and layouts take the factor; one device's layout, K rows

@@ -52,6 +52,7 @@ class Stack:
     #               | "hierarchical" (once per remote domain, forwarded over NVLink there: comms.py)
     dispatch_efficiency: float  # fraction of link bandwidth the dispatch/combine reaches
     dispatch_overlap: float  # fraction of dispatch/combine (and pipeline sends) hidden behind compute
+    #                    (``hierarchical_overlap`` for the two-hop exchange, where the stack sets it)
     fsdp_overlap: float  # fraction of compute time that can hide weight gathers and gradient scatters
     dp_overlap: float  # fraction of the last micro-batch's compute that hides the once-per-step gradient sync
     grouped_scale: float  # grouped GEMM speed relative to a fused grouped GEMM kernel
@@ -69,6 +70,7 @@ class Stack:
     fsdp_hidden: float | None = None  # FSDP weight gathers and gradient scatters together
     dp_hidden: float | None = None  # the data-parallel gradient all-reduces
     vocab_hidden: float = 0.0  # the vocabulary split's token traffic
+    hierarchical_overlap: float | None = None  # the two-hop exchange's share, read from its own compiles
     # HBM passes per step over each MoE layer's exchange and expert-layout buffers
     # (``moe_ep_buffer_factor`` x K rows of D per token): the gathers, scatters, weighting and
     # copies of a sort-based dispatch that fused kernels (TE's permutation, DeepEP) do not make.
@@ -163,19 +165,24 @@ STACKS: dict[str, Stack] = {
             runs_here=True,
             state="sharded",
             exchange="all_to_all",
-            # Every term below is read from XLA:GPU's compiles of the two shipped recipes (GB200: 256
-            # GPUs, 4 sequences per GPU, remat full, 4 exchange chunks; GB300: 1,024 GPUs, 2 per GPU,
-            # remat minimal, 2 chunks; compiled with XLA's memory budget at the allocator's share,
-            # train/xla_memory.py; docs/planner.md has the table), each pooled over the two by link
-            # time: the part of each kind's modelled link time the schedule places computation
-            # against. The schedule's shares move with the program (docs/planner.md).
+            # The overlap terms below are read from XLA:GPU's compiles of the two shipped recipes as
+            # of 2026-12-07 (GB200: 256 GPUs, 4 sequences per GPU, remat full, 4 chained exchange
+            # chunks; GB300: 1,024 GPUs, 2 per GPU, remat names, 2 chained chunks; both with up to
+            # eight collectives in flight and the scheduler given the cost model's times;
+            # docs/planner.md has the table), each pooled over the two by link time: the part of
+            # each kind's modelled link time the schedule places computation against. The
+            # schedule's shares move with the program and its flags (docs/planner.md).
             dispatch_efficiency=0.80,  # XLA's collectives at the planner's COLLECTIVE_EFFICIENCY, as the AOT model
-            dispatch_overlap=0.29,  # the exchange's ragged-all-to-alls: 21% hidden on GB200, 45% on GB300
-            # FSDP as a capacity, not a share: the gathers and scatters a step hides are 0.136 of its
-            # computation time (GB200 0.76 s of 5.33, GB300 0.31 of 2.57), where their share of the
-            # link time runs from 31% (GB200 at 1 sequence per GPU) to 83% (4 per GPU): the same
-            # bytes per step, and a layer's traffic hides behind that layer's work
-            fsdp_overlap=0.136,
+            dispatch_overlap=0.75,  # the exchange's ragged-all-to-alls: 70% hidden on GB200, 84% on GB300
+            # the two-hop exchange across 8-GPU nodes, from its one compile (the H100 recipe: 2
+            # independent chunks, one collective in flight, XLA's own estimates): 20% hidden
+            hierarchical_overlap=0.20,
+            # FSDP as a capacity, not a share: the gathers and scatters a step hides are 0.194 of its
+            # computation time (GB200 0.90 s of 5.02, GB300 0.51 of 2.27; 97-99% of their link
+            # time in both), where their share of the link time once ran from 31% (GB200 at 1
+            # sequence per GPU) to 83% (4 per GPU): the same bytes per step, and a layer's
+            # traffic hides behind that layer's work
+            fsdp_overlap=0.194,
             dp_overlap=0.0,  # replaced by dp_hidden
             grouped_scale=1.0,  # tokamax's kernels, as te-jax
             # command buffers hold every loop; the exchange's overflow conditionals (about 3 per MoE
@@ -183,10 +190,10 @@ STACKS: dict[str, Stack] = {
             host_s_per_layer=0.0,
             fp8_dispatch=True,
             usable_hbm=0.9,
-            # the gradient all-reduces over data, issued inside the layers' backward loop: 95% hidden on
-            # GB200, 76% on GB300 (3% on GB200 when XLA planned for 80% of the HBM)
-            dp_hidden=0.86,
-            vocab_hidden=0.09,  # the vocabulary split: 10% hidden on GB200, 8% on GB300
+            # the gradient all-reduces over data, issued inside the layers' backward loop: 96% hidden on
+            # GB200, 97% on GB300 (3% on GB200 when XLA planned for 80% of the HBM)
+            dp_hidden=0.96,
+            vocab_hidden=0.58,  # the vocabulary split: 56% hidden on GB200, 63% on GB300
             # The computation terms below were read before XLA planned for the allocator's memory
             # (they moved by under 4%: its recomputation, 0.2 s on GB200, is gone).
             # The bytes-bound time in the routed experts' scopes and the exchange's buffer copies

@@ -4,6 +4,7 @@
     exposed  = tensor-parallel collectives                       (on the critical path)
              + the vocabulary split's token traffic x (1 - vocab_hidden)
              + dispatch x (1 - dispatch_overlap)                 } less what exchange_compute_overlap x
+               (hierarchical_overlap for the two-hop exchange)    }
              + pipeline sends x (1 - dispatch_overlap)            } compute hides (DualPipe's schedule);
                                                                     this repository's sends: all exposed
              + max(0, fsdp - fsdp_overlap x compute)             (gathers hide behind other layers;
@@ -182,7 +183,10 @@ def _time(
     m = layout.microbatches
     # this repository's stage transfers: counted exposed (XLA's schedule hides a part; docs/pipeline.md)
     sends = by_kind["pipeline"] * (1 if circular.applies(spec, layout, stack) else 1 - stack.dispatch_overlap)
-    dispatch = by_kind["dispatch"] * (1 - stack.dispatch_overlap)
+    overlap = stack.dispatch_overlap
+    if stack.exchange == "hierarchical" and stack.hierarchical_overlap is not None:
+        overlap = stack.hierarchical_overlap
+    dispatch = by_kind["dispatch"] * (1 - overlap)
     hidden = min(dispatch + sends, stack.exchange_compute_overlap * compute)  # under another chunk's math
     share = 1 - hidden / (dispatch + sends) if dispatch + sends else 0.0
     exposed = {

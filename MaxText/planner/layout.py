@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from MaxText.config import ConfigError
 from MaxText.parallel.axes import MESH_AXES, parallelism_key
 
-REMAT_POLICIES = ("none", "minimal", "full")  # the repository's remat_policy values
+REMAT_POLICIES = ("none", "minimal", "names", "full")  # the repository's remat_policy values
 MODELLED_REMAT = (*REMAT_POLICIES, "selective")  # + Megatron's selective recompute
 
 

@@ -66,7 +66,9 @@ def _boxed_leaves(config_json: str) -> tuple[tuple[tuple[str | None, ...], tuple
 def sharded_state_bytes(spec: ModelSpec, layout: Layout) -> float:
     """Bytes of weights, gradients and Adam moments per GPU under the repository's sharding rules;
     with pipeline stages the first stage's: ceil(layers / stages) of the MoE stack (what its rule
-    stores there when stages divide the layers), the rest on every stage."""
+    stores there when stages divide the layers), the rest on every stage. Gradient accumulation
+    (micro-batches without a pipeline) holds two gradients: the running sum the step's scan
+    carries and the micro-batch's own (train/step.py)."""
     import jax.numpy as jnp
 
     from MaxText.config import ConfigError
@@ -78,6 +80,7 @@ def sharded_state_bytes(spec: ModelSpec, layout: Layout) -> float:
         return 16.0 * spec.params / (layout.num_gpus // layout.size("data"))
     rules = parameter_rules(spec.config, axis_sizes)
     moment_bytes = jnp.dtype(spec.config.moment_dtype).itemsize
+    gradients = 2 if layout.pp == 1 and layout.microbatches > 1 else 1
     total = 0.0
     for names, shape, itemsize, trainable in _boxed_leaves(
         architecture(spec.config, keep_length=False).model_dump_json()
@@ -91,7 +94,9 @@ def sharded_state_bytes(spec: ModelSpec, layout: Layout) -> float:
             for axes in assigned:
                 for axis in spec_axes(axes):
                     ways *= axis_sizes.get(axis, 1)
-        per_element = (2 * itemsize + 2 * moment_bytes) if trainable else itemsize  # weight, gradient, mu, nu
+        per_element = (
+            ((1 + gradients) * itemsize + 2 * moment_bytes) if trainable else itemsize
+        )  # weight, grads, mu, nu
         if PIPELINE_LAYERS in names:
             layers = shape[names.index(PIPELINE_LAYERS)]
             ways *= layers / math.ceil(layers / layout.pp)
@@ -114,8 +119,8 @@ def kept_per_token(spec: ModelSpec, remat: str, layers: float) -> float:
     share = layers / spec.layers
     if remat == "none":
         return spec.act_none * share
-    if remat in ("minimal", "selective"):
-        return (spec.act_minimal if remat == "minimal" else spec.act_selective) * share
+    if remat in ("minimal", "selective", "names"):
+        return {"minimal": spec.act_minimal, "selective": spec.act_selective, "names": spec.act_names}[remat] * share
     return spec.d_model * layers + spec.act_layer
 
 

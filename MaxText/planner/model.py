@@ -18,7 +18,9 @@ be kept for the backward pass: everything it computes (``none``), or only its ma
 (``minimal``: no norm outputs, no SwiGLU product), or what Megatron-LM keeps under its selective
 recompute of norms, MLA up-projections and expert activations (``selective``: the latents, the
 attention output, the dispatched tokens, the expert fc1 outputs and the expert outputs; modelled
-for calibration, not a policy of this repository). Under ``full`` remat a layer keeps its input only.
+for calibration, not a policy of this repository), or the tensors the config's ``remat_names``
+list (``names``: ``named_per_token``; the repository's models only). Under ``full`` remat a layer
+keeps its input only.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class ModelSpec:
     act_none: int  # elements per token kept by all layers together, nothing recomputed
     act_minimal: int  # elements per token kept when only matmul outputs are saved
     act_selective: int  # elements per token kept under Megatron's selective recompute (see above)
+    act_names: float  # elements per token kept under ``remat_policy: names`` (the config's remat_names)
     act_layer: int  # elements per token one layer holds while it runs (the largest layer)
     # elements per token entering or leaving the linear GEMMs FP8 quantizes (each GEMM's K + N:
     # MLA projections, MLPs, shared and routed experts; 0 where not counted)
@@ -80,6 +83,30 @@ def _moe_act(D: int, E: int, K: int, F: int, shared_F: int) -> tuple[int, int, i
 
 def _dense_act(D: int, F: int) -> tuple[int, int, int]:
     return D + 3 * F, 2 * F, 2 * F
+
+
+def named_per_token(c: Config, moe: bool) -> float:
+    """Elements per token one layer keeps under ``remat_policy: names`` (layers/remat.py), in
+    bfloat16 elements: each name in ``remat_names``, the float32 router logits and softmax
+    statistics as two. The routed experts' gate and up outputs fill the exchange's layout:
+    the config's ``moe_ep_buffer_factor`` x K rows a token (expert parallelism, which every 671B
+    layout has; the spec is built once per config, so a buffer factor passed to ``estimate``
+    apart from the config's does not reach these rows). The ``blocked`` backend's GEMMs run
+    inside its own VJP, unnamed: counted as the default backends keep them."""
+    H, D, rope = c.base_num_query_heads, c.emb_dim, c.qk_rope_head_dim
+    shared_F = c.shared_experts * c.base_moe_mlp_dim
+    elements = {
+        "query_latent": c.q_lora_rank,
+        "key_value_latent": c.kv_lora_rank + rope,
+        "query": H * c.qk_head_dim,
+        "key_value": H * (c.qk_nope_head_dim + c.v_head_dim),
+        "attention": H * c.v_head_dim + 2 * H,
+        "attention_out": D,
+        "router_logits": 2 * c.num_experts if moe else 0,
+        "mlp_gate_up": 2 * (shared_F if moe else c.base_mlp_dim),
+        "routed_gate_up": 2 * c.moe_ep_buffer_factor * c.num_experts_per_tok * c.base_moe_mlp_dim if moe else 0,
+    }
+    return sum(elements[name] for name in c.remat_names)  # the layer's input aside, as in the others
 
 
 # Keys that change a run but not the parameter shapes: fixed before tracing, so that costing many
@@ -153,6 +180,7 @@ def from_config(config: Config) -> ModelSpec:
         act_none=moe_layers * (attn_none + moe_none) + dense_layers * (attn_none + dense_none),
         act_minimal=moe_layers * (attn_min + moe_min) + dense_layers * (attn_min + dense_min),
         act_selective=moe_layers * (attn_sel + moe_sel) + dense_layers * (attn_sel + dense_sel),
+        act_names=moe_layers * named_per_token(c, moe=True) + dense_layers * named_per_token(c, moe=False),
         act_layer=attn_none + max(moe_none, dense_none if dense_layers else 0),
         fp8_gemm_io=moe_layers * (attn_io + moe_io) + dense_layers * (attn_io + dense_io),
         routing_groups=c.n_routing_groups,
@@ -204,5 +232,6 @@ def qwen3_235b(seq_len: int = 4096) -> ModelSpec:
         act_none=L * (attn_none + moe_none),
         act_minimal=L * (attn_min + moe_min),
         act_selective=L * (attn_sel + moe_sel),
+        act_names=L * (attn_sel + moe_sel),  # no such policy in its own stack: as selective
         act_layer=attn_none + moe_none,
     )

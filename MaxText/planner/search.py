@@ -24,7 +24,7 @@ from MaxText.planner.model import ModelSpec
 from MaxText.planner.systems import System
 
 PER_DEVICE_BATCHES = (1, 2, 4, 8)
-SEARCH_REMAT = ("full", "minimal")
+SEARCH_REMAT = ("full", "minimal", "names")  # names: this repository's stacks and models only
 PIPELINE_REMAT = (*SEARCH_REMAT, "selective")  # Megatron's policy too, for its stacks' pipelines
 PIPELINE_DEGREES = (2, 4, 8)
 VIRTUAL_STAGES = (1, 4)
@@ -91,6 +91,8 @@ def search(
 ) -> SearchResult:
     ranked, pipelined, rejected = [], [], {}
     for layout in candidates(spec, system, num_gpus, gbs, pipeline):
+        if layout.remat == "names" and not (stack.runs_here and spec.config is not None):
+            continue
         try:
             if layout.pp == 1:
                 _check_mesh(spec, layout)
