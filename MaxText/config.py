@@ -30,6 +30,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError
 
+from MaxText.layers.saveable import SAVEABLE
 from MaxText.parallel.axes import MESH_AXES, STAGE_AXIS, parallelism_key
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -426,8 +427,6 @@ def check_rules(c: Config) -> None:
             f"the token-dropping baseline has no FP8 path (quantization={c.quantization}); use -1 (dropless)",
         )
     check_pipeline(c)
-    from MaxText.layers.remat import SAVEABLE  # the layers' names (imports jax)
-
     unknown = [n for n in c.remat_names if n not in SAVEABLE]
     _require(not unknown, "remat_names", f"unknown tensor names {unknown}; known: {list(SAVEABLE)}")
     unknown = [a for a in c.vocab_parallel_axes if a not in MESH_AXES] if c.vocab_parallel_axes != "auto" else []

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
-from MaxText.layers.remat import SAVEABLE
+from MaxText.layers.saveable import SAVEABLE
 from MaxText.models.deepseek import DeepSeekV3
 from MaxText.moe.block import BIAS
 from MaxText.train.loss import compute_loss

@@ -5,7 +5,7 @@ pick tensors one by one.
 (``wq_b``, ``wkv_b``: 0.94 GB per layer for DeepSeek-V3 at 8,192 tokens per GPU, rerun in 0.65 ms
 on a GB300) are kept, while the routed experts' grouped GEMMs (kernel calls, not dots) and the
 attention kernel are rerun. ``names`` keeps exactly the tensors ``remat_names`` lists
-(``SAVEABLE``), so the bytes go where recomputing costs the most time per byte.
+(``layers/saveable.py``), so the bytes go where recomputing costs the most time per byte.
 """
 
 from __future__ import annotations
@@ -15,19 +15,8 @@ from collections.abc import Callable, Sequence
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-# The tensors the layers name (``saved``), with what keeping one costs and saves, per layer.
-SAVEABLE: dict[str, str] = {
-    "query_latent": "MLA's query down-projection (wq_a), before its norm: [tokens, q_lora_rank]",
-    "key_value_latent": "MLA's key/value down-projection (wkv_a), before its norm: [tokens, kv_lora_rank + rope]",
-    "query": "the queries from the up-projection (wq_b, or wq without a query latent): [tokens, heads, qk dims]",
-    "key_value": "the keys and values from the up-projection (wkv_b): [tokens, heads, nope + v dims]",
-    "attention": "the attention kernel's output [tokens, heads, v dims] and softmax statistics, what its "
-    "backward reads besides its inputs (cudnn and flash; te and dot keep nothing and rerun)",
-    "attention_out": "the attention's output projection (wo): [tokens, embed]",
-    "router_logits": "the router's scores before the sigmoid: [tokens, experts]",
-    "mlp_gate_up": "a dense MLP's or the shared experts' gate and up projections: 2 x [tokens, mlp]",
-    "routed_gate_up": "the routed experts' gate and up grouped GEMMs: 2 x [routed rows, moe_mlp]",
-}
+from MaxText.layers.saveable import SAVEABLE
+
 # Forward kernels whose outputs are what their backward reads besides their inputs (the output
 # and the softmax statistics): kept with ``attention``, by the primitive, since their backward
 # reads the primitive's own outputs (a name on the value the layer sees would be a second copy).

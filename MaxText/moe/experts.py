@@ -88,7 +88,8 @@ def _swiglu_of(matmul: GroupedMatmul) -> ExpertsBackend:
 
     def swiglu(xp_PD, wi_0, wi_1, wo, layout, config, weight_P=None, zero_past_groups=True):
         gate_PF = saved(matmul(xp_PD, wi_0, layout, True), "routed_gate_up")
-        h_PF = jax.nn.silu(gate_PF) * saved(matmul(xp_PD, wi_1, layout, True), "routed_gate_up")
+        up_PF = saved(matmul(xp_PD, wi_1, layout, True), "routed_gate_up")
+        h_PF = jax.nn.silu(gate_PF) * up_PF
         if weight_P is not None:
             h_PF = h_PF * weight_P[:, None].astype(h_PF.dtype)
         return matmul(h_PF, wo, layout, zero_past_groups)

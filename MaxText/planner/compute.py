@@ -29,9 +29,25 @@ from MaxText.planner.systems import System
 # Extra executed FLOPs over model FLOPs. ``selective`` and ``names`` (with base.yml's remat_names)
 # rerun the MLA up-projections (about 3% of the dense class for DeepSeek-V3), left out here.
 RECOMPUTE = {"none": 0.0, "minimal": 0.0, "selective": 0.0, "names": 0.0, "full": 1.0 / 3.0}
-# Under ``names``, the kernel class whose forward reruns unless ``remat_names`` lists its name
-# (the routed experts' gate and up: 2/3 of their forward; the attention kernel: all of it).
+# Kernel classes whose outputs a policy may not keep, the share of their forward the backward
+# pass then runs again (the routed experts' gate and up: 2 of their 3 GEMMs; the attention kernel:
+# all of it), and the ``remat_names`` name that keeps them under ``names``.
+RERUN_SHARE = {"grouped": 2 / 3, "attention": 1.0}
 NAMED_KERNELS = {"grouped": "routed_gate_up", "attention": "attention"}
+
+
+def rerun_share(kind: str, spec: ModelSpec, layout: Layout, stack: Stack) -> float:
+    """The share of ``kind``'s forward that the backward pass runs again, beyond ``RECOMPUTE``:
+    the routed experts' input projections under ``minimal`` (kernel calls, not the dots it
+    keeps) on a stack that reruns them, and under ``names`` any kernel class it does not name."""
+    if layout.remat in ("minimal", "selective"):
+        reruns = kind == "grouped" and stack.routed_recompute
+    elif layout.remat == "names":
+        named = spec.config.remat_names if spec.config is not None else ()
+        reruns = kind in NAMED_KERNELS and NAMED_KERNELS[kind] not in named
+    else:
+        reruns = False
+    return RECOMPUTE["full"] * RERUN_SHARE[kind] if reruns else 0.0
 
 
 def model_flops_per_gpu(spec: ModelSpec, layout: Layout) -> float:
@@ -69,13 +85,7 @@ def math_times(
             rate = system.peak_flops("bf16") * speedup * efficiency
         else:
             rate = system.peak_flops(runs_at) * efficiency * (stack.grouped_scale if kind == "grouped" else 1.0)
-        rerun = 0.0  # the routed experts' two input projections (or the attention kernel's forward), once more
-        if kind == "grouped" and stack.routed_recompute and layout.remat in ("minimal", "selective"):
-            rerun = RECOMPUTE["full"] * 2 / 3
-        named = spec.config.remat_names if spec.config is not None else ()
-        if layout.remat == "names" and kind in NAMED_KERNELS and NAMED_KERNELS[kind] not in named:
-            rerun = RECOMPUTE["full"] * (2 / 3 if kind == "grouped" else 1)
-        times[kind] = tokens * flops * (extra + rerun) / rate
+        times[kind] = tokens * flops * (extra + rerun_share(kind, spec, layout, stack)) / rate
     times["elementwise"] = tokens * spec.act_none * ACTIVATION_BYTES * stack.elementwise_passes * extra / system.hbm_bw
     if stack.moe_buffer_passes:  # the exchange's slots and layouts take the factor; one device's layout, K rows
         factor = exchange_buffer_factor if layout.ep > 1 else 1.0

@@ -52,7 +52,7 @@ class Stack:
     #               | "hierarchical" (once per remote domain, forwarded over NVLink there: comms.py)
     dispatch_efficiency: float  # fraction of link bandwidth the dispatch/combine reaches
     dispatch_overlap: float  # fraction of dispatch/combine (and pipeline sends) hidden behind compute
-    #                    (``hierarchical_overlap`` for the two-hop exchange, where the stack sets it)
+    #                    (the exchange's: ``exchange_overlap``)
     fsdp_overlap: float  # fraction of compute time that can hide weight gathers and gradient scatters
     dp_overlap: float  # fraction of the last micro-batch's compute that hides the once-per-step gradient sync
     grouped_scale: float  # grouped GEMM speed relative to a fused grouped GEMM kernel
@@ -84,6 +84,14 @@ class Stack:
     # are not in it). False: the fitted ``GEMM_EFFICIENCY`` rows and the system's attention speedup.
     gemms_at_dense_rate: bool = False
     elementwise_passes: float = ELEMENTWISE_PASSES  # the non-GEMM kernels' HBM passes (see above)
+
+    @property
+    def exchange_overlap(self) -> float:
+        """The share of the dispatch and combine hidden: ``hierarchical_overlap`` for the two-hop
+        exchange where the stack reads one from its own compiles, else ``dispatch_overlap``."""
+        if self.exchange == "hierarchical" and self.hierarchical_overlap is not None:
+            return self.hierarchical_overlap
+        return self.dispatch_overlap
 
 
 STACKS: dict[str, Stack] = {

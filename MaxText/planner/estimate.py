@@ -183,10 +183,7 @@ def _time(
     m = layout.microbatches
     # this repository's stage transfers: counted exposed (XLA's schedule hides a part; docs/pipeline.md)
     sends = by_kind["pipeline"] * (1 if circular.applies(spec, layout, stack) else 1 - stack.dispatch_overlap)
-    overlap = stack.dispatch_overlap
-    if stack.exchange == "hierarchical" and stack.hierarchical_overlap is not None:
-        overlap = stack.hierarchical_overlap
-    dispatch = by_kind["dispatch"] * (1 - overlap)
+    dispatch = by_kind["dispatch"] * (1 - stack.exchange_overlap)
     hidden = min(dispatch + sends, stack.exchange_compute_overlap * compute)  # under another chunk's math
     share = 1 - hidden / (dispatch + sends) if dispatch + sends else 0.0
     exposed = {

@@ -94,9 +94,8 @@ def sharded_state_bytes(spec: ModelSpec, layout: Layout) -> float:
             for axes in assigned:
                 for axis in spec_axes(axes):
                     ways *= axis_sizes.get(axis, 1)
-        per_element = (
-            ((1 + gradients) * itemsize + 2 * moment_bytes) if trainable else itemsize
-        )  # weight, grads, mu, nu
+        # the weight, its gradients, Adam's two moments
+        per_element = (1 + gradients) * itemsize + 2 * moment_bytes if trainable else itemsize
         if PIPELINE_LAYERS in names:
             layers = shape[names.index(PIPELINE_LAYERS)]
             ways *= layers / math.ceil(layers / layout.pp)
@@ -117,10 +116,14 @@ def kept_per_token(spec: ModelSpec, remat: str, layers: float) -> float:
     """Elements per token that ``layers`` of the model's average layer keep for the backward pass
     under ``remat`` (``full``: each layer's input, plus one layer's working set)."""
     share = layers / spec.layers
-    if remat == "none":
-        return spec.act_none * share
-    if remat in ("minimal", "selective", "names"):
-        return {"minimal": spec.act_minimal, "selective": spec.act_selective, "names": spec.act_names}[remat] * share
+    kept = {
+        "none": spec.act_none,
+        "minimal": spec.act_minimal,
+        "selective": spec.act_selective,
+        "names": spec.act_names,
+    }
+    if remat in kept:
+        return kept[remat] * share
     return spec.d_model * layers + spec.act_layer
 
 
