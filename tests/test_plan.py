@@ -199,17 +199,17 @@ def test_a_pipeline_the_repository_cannot_split_is_modelled_but_not_runnable(v3)
 
 # The H100 recipe's 32 nodes with the MoE stack over 2 stages across them (expert 8 x 8 nodes, fsdp
 # 2), 2 micro-batches of 128 sequences (tools/aot_compile.py --target h100 with the recipe and
-# moe_exchange_chunks=1 dcn_pipeline_parallelism=2 dcn_fsdp_parallelism=2 per_device_batch_size=1
-# num_pipeline_microbatches=2): XLA:GPU's figures, the bubble's iterations included.
-PIPELINED_H100 = {"total_gb": 77.15, "exchange_network_gb": 89.9, "fsdp_network_gb": 43.7 + 21.3}
+# dcn_pipeline_parallelism=2 dcn_fsdp_parallelism=2 per_device_batch_size=1
+# num_pipeline_microbatches=2): XLA:GPU's figures, the bubble's iterations included, with the
+# stage's gradient summed in one buffer (docs/pipeline.md).
+PIPELINED_H100 = {"total_gb": 64.98, "exchange_network_gb": 89.9, "fsdp_network_gb": 43.7 + 21.3}
 
 
 def test_this_repositorys_pipeline_is_planned_as_it_runs():
     """The schedule of parallel/pipeline.py (planner/circular.py): runnable, written as pipeline
     keys; bytes that, with the bubble's iterations (x 3/2), are what XLA:GPU's compile of that
-    layout moves within 3%; the memory of this schedule within 25% of XLA:GPU's (22% under here, 6%
-    under at 2 sequences per GPU and 4 micro-batches; 15% under on the unpipelined recipe). Lanes
-    gather a stage's weights once per lane."""
+    layout moves within 3%; the memory of this schedule within 10% of XLA:GPU's (8% under here;
+    15% under on the unpipelined recipe). Lanes gather a stage's weights once per lane."""
     keys = (
         "ici_expert_parallelism=8",
         "dcn_expert_parallelism=8",
@@ -236,7 +236,7 @@ def test_this_repositorys_pipeline_is_planned_as_it_runs():
     assert exchange.bytes_network * 3 / 2 / 1e9 == pytest.approx(PIPELINED_H100["exchange_network_gb"], rel=0.03)
     fsdp = sum(c.bytes_network for c in est.comms if c.kind == "fsdp")
     assert fsdp * 3 / 2 / 1e9 == pytest.approx(PIPELINED_H100["fsdp_network_gb"], rel=0.03)
-    assert est.memory["total"] / 1e9 == pytest.approx(PIPELINED_H100["total_gb"], rel=0.25)  # 22% under
+    assert est.memory["total"] / 1e9 == pytest.approx(PIPELINED_H100["total_gb"], rel=0.10)  # 8% under
     laned = estimate(from_config(config.model_copy(update={"num_pipeline_lanes": 2})), layout, h100, stack)
     assert sum(c.bytes_network for c in laned.comms if c.kind == "fsdp") == pytest.approx(2 * fsdp)
     assert laned.memory["activations"] < est.memory["activations"]  # one lane's working set at a time

@@ -31,8 +31,11 @@ The rows a lane computes are 1/lanes of a micro-batch's.
 The loop is a ``scan`` over iterations (compile time does not grow with m). Each layer keeps what
 ``remat_policy`` (the model's) keeps for its backward pass, and its input; an iteration keeps
 nothing more (not the repeat's slice of the weights: the backward slices the stack again), so the
-forward runs once, as without the pipeline. Inside a stage, FSDP gathers each layer's weights where
-it runs, in every iteration. Every stage also holds the m micro-batches' input, the buffer of
+forward runs once, as without the pipeline. The weights' gradient is summed in one buffer, in
+place, over the iterations and the layers: the weights enter the loops without a derivative, and a
+*gradient sink* (zeros with the weights' derivative, ``gradient_sink``) travels in the loops' carry,
+where each layer's slice of the weights takes its gradient (``gradient_through``). Inside a stage,
+FSDP gathers each layer's weights where it runs, in every iteration. Every stage also holds the m micro-batches' input, the buffer of
 items between repeats and the output (SPMD: one program), and the output is summed over the
 stages once at the end (an all-reduce of the stack's output). Parameters are kept stage-major:
 each leaf ``[repeats, stages, per_stage, ...]`` (``to_stages``), whose row-major flattening is the
@@ -88,6 +91,27 @@ def to_stages(stack: Params, stages: int, repeats: int) -> Params:
 def from_stages(staged: Params) -> Params:
     """Stage-major leaves [R, P, J, ...] -> layer-stacked [L, ...]."""
     return jax.tree.map(lambda leaf: leaf.reshape(-1, *leaf.shape[3:]), staged)
+
+
+@jax.custom_jvp
+def gradient_through(value: jax.Array, sink: jax.Array) -> jax.Array:
+    """``value``, differentiated as ``value + sink`` (``sink`` is zero): the gradient for ``value``
+    goes to ``sink``, whose value is never read (so no loop keeps it for its backward pass)."""
+    return value
+
+
+@gradient_through.defjvp
+def _gradient_through_jvp(primals, tangents):
+    return primals[0], tangents[0] + tangents[1]
+
+
+def gradient_sink(w: jax.Array) -> jax.Array:
+    """Zeros laid out like ``w`` whose derivative with respect to ``w`` is the identity. Passed
+    through a loop's carry (and read with ``gradient_through``), it collects the loop's gradient
+    for ``w`` in the carry's cotangent: one buffer, updated in place, for the nested loops. A
+    loop-invariant ``w`` would take one per loop level instead, the inner one's added to the outer
+    one's after each inner loop (two copies of a stage's gradient)."""
+    return w - jax.lax.stop_gradient(w)
 
 
 def _pick(a: jax.Array, i: jax.Array) -> jax.Array:
@@ -148,29 +172,40 @@ def circular_pipeline(
         with jax.named_scope(TRANSFER_SCOPE):
             return jax.lax.ppermute(y, axis, ring)
 
-    def layer_at(params, r, j, x, side):  # layer j of this stage's repeat r (params [R, 1, J, ...])
-        return layer_fn(jax.tree.map(lambda leaf: _pick(_pick(leaf, r)[0], j), params), x, side)
+    def layer_at(params, sink, r, j, x, side):  # layer j of this stage's repeat r (params [R, 1, J, ...])
+        def weights(leaf, sunk):
+            layer = _pick(_pick(leaf, r)[0], j)
+            if not jnp.issubdtype(leaf.dtype, jnp.inexact):  # no gradient to take
+                return layer
+            return gradient_through(layer, _pick(_pick(sunk, r)[0], j))
+
+        return layer_fn(jax.tree.map(weights, params, sink), x, side)
 
     # Each layer keeps what the remat policy keeps; its inputs are the loop-invariant stack and
     # indices, so no iteration keeps a copy of its layers' weights, and nothing is recomputed
     # beyond the policy's own rerun.
     checkpointed_layer = jax.checkpoint(layer_at, policy=remat_policy or keep_all_but_copies, prevent_cse=False)
 
-    def stage(params, r, x, side):  # this stage's J layers of repeat r on one lane of a micro-batch
-        def one_layer(x, j):
-            return checkpointed_layer(params, r, j, x, side)
+    def stage(params, sink, r, x, side):  # this stage's J layers of repeat r on one lane of a micro-batch
+        def one_layer(carry, j):
+            x, sink = carry
+            y, stats = checkpointed_layer(params, sink, r, j, x, side)
+            # The barrier makes the sink a value of the loop, not one JAX hoists out as invariant
+            # (whose gradient each loop would then sum in a buffer of its own).
+            return (y, jax.lax.optimization_barrier(sink)), stats
 
         layers = jnp.arange(jax.tree.leaves(params)[0].shape[2])
         if lanes == 1:
-            return jax.lax.scan(one_layer, x, layers)
+            (x, sink), stats = jax.lax.scan(one_layer, (x, sink), layers)
+            return x, sink, stats
         # With lanes, the first layer runs outside the layers' loop: XLA's scheduler puts a
         # transfer under GEMMs of the iteration's own body, never under a nested loop, so these
         # are what another lane's transfer can run under.
-        x, first = one_layer(x, 0)
-        x, rest = jax.lax.scan(one_layer, x, layers[1:])
-        return x, jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
+        carry, first = one_layer((x, sink), 0)
+        (x, sink), rest = jax.lax.scan(one_layer, carry, layers[1:])
+        return x, sink, jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
 
-    def local(params, x_MB, side_MB):  # one stage's view: params [R, 1, J, ...], every micro-batch
+    def local(params, sink, x_MB, side_MB):  # one stage's view: params [R, 1, J, ...], every micro-batch
         s = jax.lax.axis_index(axis)
         x_lanes = to_lanes(x_MB, lanes)
         side_lanes = [jax.tree.map(lambda a, lane=lane: to_lanes(a, lanes)[lane], side_MB) for lane in range(lanes)]
@@ -189,7 +224,9 @@ def circular_pipeline(
             first = jnp.where(t < M, _pick(x_M, jnp.mod(t, M)), _pick(waiting, jnp.mod(t, M)))
             return jnp.where(s == 0, first, arrived), waiting
 
-        stats_shape = jax.eval_shape(stage, params, 0, x_lanes[0][0], jax.tree.map(lambda a: a[0], side_lanes[0]))[1]
+        stats_shape = jax.eval_shape(
+            stage, params, sink, 0, x_lanes[0][0], jax.tree.map(lambda a: a[0], side_lanes[0])
+        )[2]
         stats = jax.tree.map(lambda a: jnp.zeros((R, *a.shape), a.dtype), stats_shape)
         blank = jnp.full_like(x_lanes[0][0], fill)  # what a buffer holds before real data reaches it
         waiting = [jnp.full_like(x, fill) for x in x_lanes]  # stage 0: items back from the last stage, by micro-batch
@@ -199,7 +236,7 @@ def circular_pipeline(
             ready.append(x)
 
         def iteration(carry, t):
-            ready, pending, waiting, stats = carry
+            ready, pending, waiting, stats, sink = carry
             k = t - s
             busy = (k >= 0) & (k < M * R)
             r = jnp.clip(k // M, 0, R - 1)
@@ -210,7 +247,9 @@ def circular_pipeline(
             for lane, x in enumerate(inputs):
                 # A bubble computes on a real micro-batch (finite: no 0 x inf in its backward pass).
                 x = jnp.where(busy, x, _pick(x_lanes[lane], i))
-                y, layer_stats = stage(params, r, x, jax.tree.map(lambda a, lane=lane: _pick(a, i), side_lanes[lane]))
+                y, sink, layer_stats = stage(
+                    params, sink, r, x, jax.tree.map(lambda a, lane=lane: _pick(a, i), side_lanes[lane])
+                )
                 stats = jax.tree.map(
                     lambda total, new: total.at[r].add(jnp.where(busy, new, jnp.zeros_like(new))), stats, layer_stats
                 )
@@ -219,10 +258,10 @@ def circular_pipeline(
                     ready.append(x)
                 else:
                     pending = y
-            return (ready, pending, waiting, stats), None
+            return (ready, pending, waiting, stats, sink), None
 
-        carry = (ready, blank, waiting, stats)
-        (_, pending, waiting, stats), _ = jax.lax.scan(iteration, carry, jnp.arange(iterations))
+        carry = (ready, blank, waiting, stats, sink)
+        (_, pending, waiting, stats, _), _ = jax.lax.scan(iteration, carry, jnp.arange(iterations))
         _, waiting[-1] = receive(send(pending), iterations, waiting[-1], x_lanes[-1])  # the last item's last lane
         # Stage 0 holds the outputs (every item's last pass came back to it); the others give zeros.
         out = from_lanes(waiting)
@@ -232,8 +271,8 @@ def circular_pipeline(
     by_stage = P(None, axis)  # every leaf [R, P, ...]: parameters in, statistics out
     return jax.shard_map(
         local,
-        in_specs=(by_stage, P(), P()),
+        in_specs=(by_stage, by_stage, P(), P()),
         out_specs=(P(), by_stage),
         axis_names={axis},
         check_vma=False,
-    )(staged, x_MB, side_MB)
+    )(jax.lax.stop_gradient(staged), jax.tree.map(gradient_sink, staged), x_MB, side_MB)
