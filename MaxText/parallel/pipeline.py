@@ -32,12 +32,14 @@ The loop is a ``scan`` over iterations (compile time does not grow with m). Each
 ``remat_policy`` (the model's) keeps for its backward pass, and its input; an iteration keeps
 nothing more (not the repeat's slice of the weights: the backward slices the stack again), so the
 forward runs once, as without the pipeline. The weights' gradient is summed in one buffer, in
-place, over the iterations and the layers: the weights enter the loops without a derivative, and a
-*gradient sink* (zeros with the weights' derivative, ``gradient_sink``) travels in the loops' carry,
-where each layer's slice of the weights takes its gradient (``gradient_through``). Inside a stage,
-FSDP gathers each layer's weights where it runs, in every iteration. Every stage also holds the m micro-batches' input, the buffer of
-items between repeats and the output (SPMD: one program), and the output is summed over the
-stages once at the end (an all-reduce of the stack's output). Parameters are kept stage-major:
+place, over the iterations and the layers: the weights enter the loops without a derivative, and
+a *gradient sink* (zeros with the weights' derivative, ``gradient_sink``) travels in the loops'
+carry, where each layer's slice of the weights takes its gradient (``gradient_through``). A
+forward-only program (evaluation) carries the sink too: a float32 copy of the stage's weights.
+Inside a stage, FSDP gathers each layer's weights where it runs, in every iteration. Every stage
+also holds the m micro-batches' input, the buffer of items between repeats and the output (SPMD:
+one program), and the output is summed over the stages once at the end (an all-reduce of the
+stack's output). Parameters are kept stage-major:
 each leaf ``[repeats, stages, per_stage, ...]`` (``to_stages``), whose row-major flattening is the
 layer order, with the ``stages`` dim split over the mesh axis, so each stage holds its own layers.
 
@@ -93,10 +95,15 @@ def from_stages(staged: Params) -> Params:
     return jax.tree.map(lambda leaf: leaf.reshape(-1, *leaf.shape[3:]), staged)
 
 
+def has_gradient(w: jax.Array) -> bool:
+    """Whether autodiff takes a gradient for ``w`` (floating point; not integers)."""
+    return jnp.issubdtype(w.dtype, jnp.inexact)
+
+
 @jax.custom_jvp
 def gradient_through(value: jax.Array, sink: jax.Array) -> jax.Array:
     """``value``, differentiated as ``value + sink`` (``sink`` is zero): the gradient for ``value``
-    goes to ``sink``, whose value is never read (so no loop keeps it for its backward pass)."""
+    also goes to ``sink``, whose value is never read (so no loop keeps it for its backward pass)."""
     return value
 
 
@@ -108,10 +115,16 @@ def _gradient_through_jvp(primals, tangents):
 def gradient_sink(w: jax.Array) -> jax.Array:
     """Zeros laid out like ``w`` whose derivative with respect to ``w`` is the identity. Passed
     through a loop's carry (and read with ``gradient_through``), it collects the loop's gradient
-    for ``w`` in the carry's cotangent: one buffer, updated in place, for the nested loops. A
-    loop-invariant ``w`` would take one per loop level instead, the inner one's added to the outer
-    one's after each inner loop (two copies of a stage's gradient)."""
-    return w - jax.lax.stop_gradient(w)
+    for ``w`` in the carry's cotangent, one buffer updated in place however deep the loops nest,
+    where a loop-invariant ``w`` takes a buffer per loop level (the inner one's added to the outer
+    one's after each inner loop). A leaf without a gradient is its own sink, never read."""
+    return w - jax.lax.stop_gradient(w) if has_gradient(w) else w
+
+
+def _layer(leaf: jax.Array, r: jax.Array, j: jax.Array) -> jax.Array:
+    """Layer ``j`` of repeat ``r`` of a stage's leaf [R, 1, J, ...]: one dynamic slice, whose
+    transpose is one update in place (two nested ones made XLA copy the gradient with lanes)."""
+    return jax.lax.dynamic_slice(leaf, (r, 0, j) + (0,) * (leaf.ndim - 3), (1, 1, 1, *leaf.shape[3:]))[0, 0, 0]
 
 
 def _pick(a: jax.Array, i: jax.Array) -> jax.Array:
@@ -173,25 +186,23 @@ def circular_pipeline(
             return jax.lax.ppermute(y, axis, ring)
 
     def layer_at(params, sink, r, j, x, side):  # layer j of this stage's repeat r (params [R, 1, J, ...])
-        def weights(leaf, sunk):
-            layer = _pick(_pick(leaf, r)[0], j)
-            if not jnp.issubdtype(leaf.dtype, jnp.inexact):  # no gradient to take
-                return layer
-            return gradient_through(layer, _pick(_pick(sunk, r)[0], j))
+        def weights(leaf, sink_leaf):
+            w = _layer(leaf, r, j)
+            return gradient_through(w, _layer(sink_leaf, r, j)) if has_gradient(leaf) else w
 
         return layer_fn(jax.tree.map(weights, params, sink), x, side)
 
-    # Each layer keeps what the remat policy keeps; its inputs are the loop-invariant stack and
-    # indices, so no iteration keeps a copy of its layers' weights, and nothing is recomputed
-    # beyond the policy's own rerun.
+    # Each layer keeps what the remat policy keeps; its inputs are the loop-invariant stack, the
+    # sink (whose value no backward pass reads) and indices, so no iteration keeps a copy of its
+    # layers' weights, and nothing is recomputed beyond the policy's own rerun.
     checkpointed_layer = jax.checkpoint(layer_at, policy=remat_policy or keep_all_but_copies, prevent_cse=False)
 
     def stage(params, sink, r, x, side):  # this stage's J layers of repeat r on one lane of a micro-batch
         def one_layer(carry, j):
             x, sink = carry
             y, stats = checkpointed_layer(params, sink, r, j, x, side)
-            # The barrier makes the sink a value of the loop, not one JAX hoists out as invariant
-            # (whose gradient each loop would then sum in a buffer of its own).
+            # JAX's scan moves a carry its body returns unchanged into the loop's constants, whose
+            # gradient each loop level sums in a buffer of its own; the barrier keeps it a carry.
             return (y, jax.lax.optimization_barrier(sink)), stats
 
         layers = jnp.arange(jax.tree.leaves(params)[0].shape[2])
