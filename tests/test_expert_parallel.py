@@ -123,7 +123,7 @@ def one_device(backend: str):
 @functools.cache
 def compiled(backend: str, exchange: str, *overrides: str):
     """(config, params, one-device step, expert-parallel step), compiled once per case."""
-    keys = [o for o in overrides if o != RAGGED_ACROSS_NODES]
+    keys = [o for o in overrides if o != AS_ON_GPU]
     config = backend_config(backend, f"moe_ep_comm={exchange}", *(keys or MESH))
     fn = partial(block_and_grads, config)
     mesh = make_mesh(config, jax.devices())
@@ -167,9 +167,9 @@ TENSOR_MESH = ("ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "ici_tensor
 NODE_MESH = ("ici_fsdp_parallelism=2", "dcn_expert_parallelism=2", "ici_expert_parallelism=2")
 NODES_OF_4 = ("ici_fsdp_parallelism=1", "dcn_expert_parallelism=2", "ici_expert_parallelism=4")
 FOUR_NODES_OF_2 = ("ici_fsdp_parallelism=1", "dcn_expert_parallelism=4", "ici_expert_parallelism=2")
-# Not a config key: the case traces the two-hop exchange as for a GPU, whose hop across nodes
-# moves packed rows by ragged_all_to_all (emulated here).
-RAGGED_ACROSS_NODES = "ragged-across-nodes"
+# Not a config key: the case traces the two-hop exchange as for a GPU, where only the rows in use
+# move (ragged_all_to_all, emulated here): packed rows across nodes, slots' first rows inside.
+AS_ON_GPU = "as-on-gpu"
 CASES = [
     ("blocked", "allgather"),
     ("ragged_dot", "allgather"),
@@ -181,24 +181,24 @@ CASES = [
     # Two chunks of 4 tokens per device, each exchanged on its own (and the second's experts
     # chained after the first's): C = 2, 2 rounds per chunk.
     ("ragged_dot", "ragged_all_to_all", *SMALL_BUFFERS, "moe_exchange_chunks=2", "moe_exchange_pipeline=true"),
-    # Two hops: over 2 nodes of 2 devices (and fsdp 2), one round each with the default buffers;
-    # over 2 nodes of 4, factor 1/2 gives 2 rounds across nodes and 2 inside them; over 4 nodes of
-    # 2, where node-limited routing bounds a token to 2 of the 4 nodes (a node's 4 experts are one
-    # of the 4 groups, a token takes 2 groups), the packed layout holds 2 rows per token and the
-    # rows move across nodes as a GPU moves them (ragged_all_to_all), in 2 rounds at factor 1.
+    # Two hops: over 2 nodes of 2 devices (and fsdp 2), one round each with the default buffers,
+    # whole slots moving; over 2 nodes of 4, factor 1/2 gives 2 rounds across nodes and 2 inside
+    # them, the rows moving as a GPU moves them; over 4 nodes of 2, where node-limited routing
+    # bounds a token to 2 of the 4 nodes (a node's 4 experts are one of the 4 groups, a token
+    # takes 2 groups), the packed layout holds 2 rows per token, in 2 rounds at factor 1.
     ("blocked", "hierarchical", *NODE_MESH),
-    ("ragged_dot", "hierarchical", *NODES_OF_4, "moe_ep_buffer_factor=0.5"),
-    ("ragged_dot", "hierarchical", *FOUR_NODES_OF_2, "moe_ep_buffer_factor=1.0", RAGGED_ACROSS_NODES),
+    ("ragged_dot", "hierarchical", *NODES_OF_4, "moe_ep_buffer_factor=0.5", AS_ON_GPU),
+    ("ragged_dot", "hierarchical", *FOUR_NODES_OF_2, "moe_ep_buffer_factor=1.0", AS_ON_GPU),
 ]
 SUFFIXES = (
-    (RAGGED_ACROSS_NODES, "-ragged_across_nodes"),
+    (AS_ON_GPU, "-as_on_gpu"),
     (TENSOR_MESH[-1], "-tensor"),
     (SMALL_BUFFERS[-1], "-small_buffers"),
     (SMALLER_BUFFERS[-1], "-smaller_buffers"),
 )
 IDS = [
     "-".join(c[:2])
-    + next((suffix for key, suffix in SUFFIXES if key in c), "")  # the first that matches
+    + "".join(suffix for key, suffix in SUFFIXES if key in c)
     + ("-chunks" if "moe_exchange_chunks=2" in c else "")
     + ("-pipelined" if "moe_exchange_pipeline=true" in c else "")
     for c in CASES
@@ -211,9 +211,9 @@ IDS = [
 def test_expert_parallel_matches_one_device(kind, case, monkeypatch):
     backend, exchange, *overrides = case
     monkeypatch.setattr(dispatch, "UNROLL_ROUNDS", True)
-    if exchange == "ragged_all_to_all" or RAGGED_ACROSS_NODES in overrides:
+    if exchange == "ragged_all_to_all" or AS_ON_GPU in overrides:
         monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
-    if RAGGED_ACROSS_NODES in overrides:
+    if AS_ON_GPU in overrides:
         monkeypatch.setattr(exchange_module, "trace_platform", lambda: "gpu")
     config, params, one_device, expert_parallel = compiled(backend, exchange, *overrides)
     x = jnp.asarray(np.random.default_rng(7).standard_normal((B, S, config.emb_dim)), jnp.float32)
@@ -484,7 +484,8 @@ FP8_CASES = [
     ("allgather", *MESH),
     ("all_to_all", *SMALL_BUFFERS),
     ("ragged_all_to_all", *SMALL_BUFFERS),
-    ("hierarchical", *NODE_MESH),  # the hop inside a node quantizes the delivered rows again
+    # The hop inside a node quantizes the delivered rows again; both hops move as on a GPU.
+    ("hierarchical", *NODE_MESH, AS_ON_GPU),
 ]
 # Every exchange with blockwise, and MX's scales on the cheapest exchange: the movement does not
 # depend on the recipe (the quantizers are tested in test_quantization.py), and MX on each of the
@@ -516,14 +517,19 @@ def test_fp8_dispatch_sends_bytes_and_changes_no_number(recipe, case, monkeypatc
     parallelism gives the numbers of one device (where the same quantization runs without moving)."""
     exchange, *mesh = case
     monkeypatch.setattr(dispatch, "UNROLL_ROUNDS", True)
-    if exchange == "ragged_all_to_all":
+    if exchange == "ragged_all_to_all" or AS_ON_GPU in mesh:
         monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+    if AS_ON_GPU in mesh:
+        monkeypatch.setattr(exchange_module, "trace_platform", lambda: "gpu")
+        mesh.remove(AS_ON_GPU)
     params, bias, x, y_one, grads_one, y_plain = fp8_one_device(recipe)
     config = backend_config("blocked", f"quantization={recipe}", FP8_BLOCKS, f"moe_ep_comm={exchange}", *mesh)
     with jax.set_mesh(make_mesh(config, jax.devices())), nn.logical_axis_rules(axis_rules(config)):
-        traced = jax.jit(partial(block_and_grads, config)).trace(params, bias, x)  # one trace: checked and run
-        dtypes = _collective_dtypes(traced.jaxpr.jaxpr)
-        (_, (y_ep, _)), grads_ep = traced.lower().compile()(params, bias, x)
+        step = jax.jit(partial(block_and_grads, config))
+        dtypes = _collective_dtypes(step.trace(params, bias, x).jaxpr.jaxpr)
+        # Run by the jitted function: a compiled trace would ask for the emulated collective's
+        # constants as inputs too.
+        (_, (y_ep, _)), grads_ep = step(params, bias, x)
     assert "uint8" in dtypes  # the FP8 values travel as their bytes
     np.testing.assert_allclose(np.asarray(y_ep), np.asarray(y_one), rtol=1e-5, atol=1e-5)
     (params_ep, x_ep), (params_one, x_one) = grads_ep, grads_one

@@ -264,22 +264,36 @@ def balanced_expert_rows(config: Config, tokens_per_device: int) -> Callable[[in
 
 def ragged_rows(config: Config, tokens_per_device: int, ep: int, exchange: str = "ragged_all_to_all") -> int:
     """The rows a ragged exchange moves per device under balanced routing: each token once to each
-    of up to ``min(K, ep)`` devices (out into the slots, and back into the packed layout). In the
-    two-hop exchange only the hop across nodes is ragged: each token once to each node its
-    experts reach, as many as the repository's router reaches on balanced scores
-    (``planner/routing.py``)."""
+    of up to ``min(K, ep)`` devices (out into the slots, and back into the packed layout). On the
+    two-hop exchange's hop across nodes: each token once to each node its experts reach
+    (``_rows_per_token``)."""
     per_node = devices_per_node(config, ep)
     if exchange != "hierarchical" or per_node in (1, ep):
         return tokens_per_device * min(config.num_experts_per_tok, ep)
-    reached = expected_domains(
+    return round(tokens_per_device * _rows_per_token(config, ep // per_node))
+
+
+def inside_node_rows(config: Config, tokens_per_device: int, ep: int, exchange: str) -> int | None:
+    """The rows the two-hop exchange's hop inside a node moves per device under balanced routing:
+    one per (token, device) pair, a row carrying the token's copies for that device. None: no
+    such hop."""
+    per_node = devices_per_node(config, ep)
+    if exchange != "hierarchical" or per_node in (1, ep):
+        return None
+    return round(tokens_per_device * _rows_per_token(config, ep))
+
+
+def _rows_per_token(config: Config, domains: int) -> float:
+    """The ``domains`` (equal blocks of consecutive experts: nodes, devices) a token's experts
+    reach, as the repository's router picks them on balanced scores (``planner/routing.py``)."""
+    return expected_domains(
         config.num_experts,
         config.num_experts_per_tok,
         config.n_routing_groups,
         config.topk_routing_group,
-        ep // per_node,
+        domains,
         config.routed_score_func,
     )
-    return round(tokens_per_device * reached)
 
 
 def routed_per_chunk(config: Config, devices: int, exchange: str) -> int:
@@ -304,6 +318,7 @@ def cost_model_inputs(config: Config, mesh: jax.sharding.Mesh, system: System, e
         ragged_rows(config, routed, ep, exchange),
         balanced_block_trips(config, routed, ep),
         balanced_expert_rows(config, routed),
+        inside_node_rows(config, routed, ep, exchange),
     )
 
 

@@ -11,7 +11,8 @@ time of the computation it passes:
   over NVLink and ``(r-1)/(r l)`` over the network for a group of ``l`` GPUs in each of ``r``
   NVLink domains; all-reduce twice that; an all-to-all sends ``(n-1)/n`` of its buffer, the
   share for other domains over the network, both at once; a ``ragged-all-to-all`` only the rows
-  balanced routing sends (``ragged_rows`` of its buffer's rows). Links run at the planner's
+  balanced routing sends (``ragged_rows`` of its buffer's rows; ``inside_rows`` on the two-hop
+  exchange's hop inside a domain). Links run at the planner's
   ``COLLECTIVE_EFFICIENCY``.
 - a computation's time is a roofline: its matmul FLOPs at the planner's dense GEMM efficiency of
   the bfloat16 peak, or the bytes it reads and writes at the HBM bandwidth, whichever is longer;
@@ -151,8 +152,10 @@ class _CostModel:
         domain_of: np.ndarray,
         ragged_rows: int | None,
         expert_rows: ExpertRows | None = None,
+        inside_rows: int | None = None,
     ):
         self.comps, self.types, self.trips, self.expert_rows = comps, types, trips, expert_rows
+        self.inside_rows = inside_rows
         self.flops_per_s = system.peak_flops("bf16") * GEMM_EFFICIENCY["dense"]["bf16"]
         self.hbm, self.system = system.hbm_bw, system
         self.domain_of, self.ragged_rows = domain_of, ragged_rows
@@ -243,15 +246,17 @@ class _CostModel:
         self, kind: str, nbytes: float, groups: list[list[int]] | None, rows: int = 0
     ) -> tuple[float, float, float]:
         """(NVLink bytes, network bytes, seconds) one GPU spends on a collective (``rows``: a
-        ragged-all-to-all's buffer rows, of which it moves ``ragged_rows``), by the planner's terms."""
+        ragged-all-to-all's buffer rows, of which it moves ``ragged_rows``, or ``inside_rows`` in a
+        group inside one domain), by the planner's terms."""
         group = groups[0] if groups else list(range(len(self.domain_of)))
         n = len(group)
         if n <= 1:
             return 0.0, 0.0, 0.0
         r = len(set(self.domain_of[np.asarray(group)].tolist()))
         if kind in ("all-to-all", "ragged-all-to-all"):
-            if kind == "ragged-all-to-all" and self.ragged_rows and rows:
-                nbytes *= min(1.0, self.ragged_rows / rows)
+            moved = self.inside_rows if r == 1 and self.inside_rows else self.ragged_rows
+            if kind == "ragged-all-to-all" and moved and rows:
+                nbytes *= min(1.0, moved / rows)
             nvl, net = exchange_link_bytes(nbytes, n // r, n)
             return nvl, net, exchange_seconds(nvl, net, self.system)
         if kind == "collective-permute":
@@ -342,14 +347,16 @@ class CostInputs:
     """What the cost model needs besides a scheduled program: the ``system`` it runs on, the
     NVLink domain of each partition (``domain_of[p]``: the mesh's p-th device), the rows a
     ragged-all-to-all moves under balanced routing (``ragged_rows``; None: its whole buffer), the
-    trips of loops the data decides (``dynamic_trips``) and the rows a grouped GEMM kernel
-    computes (``expert_rows``; ``hlo_stats.ExpertRows``)."""
+    trips of loops the data decides (``dynamic_trips``), the rows a grouped GEMM kernel
+    computes (``expert_rows``; ``hlo_stats.ExpertRows``) and, for the two-hop exchange, the rows
+    its ragged-all-to-all inside one NVLink domain moves (``inside_rows``; None: ``ragged_rows``)."""
 
     system: System
     domain_of: np.ndarray
     ragged_rows: int | None = None
     dynamic_trips: DynamicTrips | None = None
     expert_rows: ExpertRows | None = None
+    inside_rows: int | None = None
 
 
 class ScheduledProgram:
@@ -364,7 +371,14 @@ class ScheduledProgram:
         for body, n in loops:
             trips.setdefault(body, n)
         self.model = _CostModel(
-            comps, types, trips, inputs.system, inputs.domain_of, inputs.ragged_rows, inputs.expert_rows
+            comps,
+            types,
+            trips,
+            inputs.system,
+            inputs.domain_of,
+            inputs.ragged_rows,
+            inputs.expert_rows,
+            inputs.inside_rows,
         )
 
     def scheduled(self) -> list[Instr]:

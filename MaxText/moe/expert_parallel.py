@@ -15,7 +15,8 @@ tokens reach their experts and come back; every exchange is dropless, whatever t
   rows in use move (sizes are exchanged first). GPU/TPU only: XLA:CPU does not implement it.
 - ``hierarchical``: two hops for nodes joined by a network (``_two_hop_experts``): a token crosses
   the network once per remote node holding one of its experts, and is forwarded inside the node;
-  each hop is the slot exchange above over its group of devices (``Hop``), with its own rounds.
+  each hop is the slot exchange above over its group of devices (``Hop``), with its own rounds;
+  on GPU only the rows in use move on either hop.
 - ``te``: Transformer Engine's NCCL expert-parallel dispatch/combine (GPU; ``te_exchange.py``).
 
 Buffer sizing. A token reaches at most ``min(K, ep)`` devices, so a device sends at most
@@ -335,12 +336,28 @@ def _local_copies(local_RK: jax.Array, valid_R: jax.Array, weights_RK: jax.Array
 
 
 def _exchange_round(
-    r, routes, recv_total, packed, x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, compute, hop, C, capacity
+    r,
+    routes,
+    recv_total,
+    packed,
+    x_TD,
+    experts_TK,
+    weights_TK,
+    wi_0,
+    wi_1,
+    wo,
+    config,
+    compute,
+    hop,
+    C,
+    capacity,
+    ragged_slots=False,
 ) -> Exchange:
     """One round on one device: send round r's rows to their experts' devices in ``hop``, compute
     them there (``compute``: the backend, or the two-hop exchange's second hop), send the partial
     outputs back; returns this round's part of every token's output [T, D]. ``packed``
-    (ragged_all_to_all) is the packed send layout, else whole slots move (all_to_all).
+    (ragged_all_to_all) is the packed send layout; else the slots move, whole (all_to_all) or,
+    with ``ragged_slots``, only their rows in use (ragged_all_to_all from slot to slot).
 
     A generator (``Exchange``): it yields the rows it received before computing them, and the
     partial outputs before sending them back, and goes on with what it is sent, so that
@@ -354,12 +371,9 @@ def _exchange_round(
     # their weights.
     fp8 = recipe_of(config)
     if packed is None:
-        slots = (token_R, valid_R, row_Td)
-        x_RD = (
-            hop.all_to_all(gather_rows(x_TD, *slots))
-            if fp8 is None
-            else fp8_moved(partial(_to_slots, hop=hop), fp8, x_TD, slots)
-        )
+        slots = (token_R, valid_R, row_Td, send_sizes, recv_sizes)
+        move = partial(_to_slots, hop=hop, ragged=ragged_slots)
+        x_RD = move(x_TD, *slots) if fp8 is None else fp8_moved(move, fp8, x_TD, slots)
     else:  # round r's window of each destination's packed rows, into this device's slot there
         in_d = jnp.where(send_sizes > 0, packed.start_d + r * C, 0)
         here = jnp.full_like(in_d, hop.index() * (C + 1))
@@ -383,8 +397,9 @@ def _exchange_round(
     y_RD = yield y_RD
 
     # Inbound: partial outputs back to their tokens, summed over the devices that computed them.
-    if packed is None:
-        return sum_copies(hop.all_to_all(y_RD), copy_R, valid_R, row_Td)
+    if packed is None:  # each slot back to its sender, the sizes the other way round
+        back = (recv_sizes, send_sizes) if ragged_slots else None
+        return sum_copies(_move_slots(y_RD, hop, back), copy_R, valid_R, row_Td)
     slot_starts = jnp.arange(hop.size, dtype=recv_sizes.dtype) * (C + 1)
     yp_ND = packed_exchange(
         y_RD, slot_starts, recv_sizes, hop.all_to_all(in_d), send_sizes, packed.copy_N.shape[0], hop
@@ -392,9 +407,23 @@ def _exchange_round(
     return sum_copies(yp_ND, packed.copy_N, packed.valid_N, packed.row_Td)
 
 
-def _to_slots(x_TD, token_R, valid_R, row_Td, hop):
-    """Tokens into their destinations' slots, and the slots to their devices (all_to_all)."""
-    return hop.all_to_all(gather_rows(x_TD, token_R, valid_R, row_Td))
+def _to_slots(x_TD, token_R, valid_R, row_Td, send_sizes, recv_sizes, hop, ragged):
+    """Tokens into their destinations' slots, and the slots to their devices (``_move_slots``;
+    ``ragged``: only the rows in use)."""
+    return _move_slots(gather_rows(x_TD, token_R, valid_R, row_Td), hop, (send_sizes, recv_sizes) if ragged else None)
+
+
+def _move_slots(x_RD: jax.Array, hop: Hop, in_use: tuple[jax.Array, jax.Array] | None) -> jax.Array:
+    """Slot d of ``x_RD`` to device d of ``hop``, into this device's slot there: whole slots
+    (all_to_all), or with ``in_use`` = (send_sizes, recv_sizes) only each slot's first rows, the
+    ones in use (ragged_all_to_all into zeros, so the slots arrive as all_to_all delivers them)."""
+    if in_use is None:
+        return hop.all_to_all(x_RD)
+    send_sizes, recv_sizes = in_use
+    S = x_RD.shape[0] // hop.size
+    starts = jnp.arange(hop.size, dtype=send_sizes.dtype) * S
+    here = jnp.full_like(starts, hop.index() * S)
+    return packed_exchange(x_RD, starts, send_sizes, here, recv_sizes, x_RD.shape[0], hop)
 
 
 def _packed_to_slots(x_TD, token_N, valid_N, row_Td, in_d, send_sizes, here, recv_sizes, rows, hop):
@@ -424,15 +453,27 @@ class HopSizes(NamedTuple):
 
 
 def _slot_experts(
-    x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, compute, hop: Hop, sizes: HopSizes, ragged
+    x_TD,
+    experts_TK,
+    weights_TK,
+    wi_0,
+    wi_1,
+    wo,
+    config,
+    compute,
+    hop: Hop,
+    sizes: HopSizes,
+    ragged: bool,
+    packed_layout: bool = True,
 ) -> Exchange:
     """Per device: the first round always; the rest only if some pair of the group overflows ``C``.
-    A generator that pauses in the first round as ``_exchange_round`` does."""
+    A generator that pauses in the first round as ``_exchange_round`` does. ``ragged`` moves only
+    the rows in use: sent from the packed layout, or from the slots without ``packed_layout``."""
     T, plan = experts_TK.shape[0], sizes.plan
     routes = _routes(experts_TK, sizes.experts_per_device, hop.size, plan)
     recv_total = hop.all_to_all(routes.sizes_d)
     packed = None
-    if ragged:  # every row to send, packed once: T * destinations rows and a zero row
+    if ragged and packed_layout:  # every row to send, packed once: T * destinations rows and a zero row
         token_N, valid_N, row_Td, copy_N, start_d = _packed_rows(routes, T * sizes.destinations + 1)
         rows_ND = gather_rows(x_TD, token_N, valid_N, row_Td) if recipe_of(config) is None else None
         packed = Packed(rows_ND, start_d, copy_N, valid_N, row_Td, token_N)
@@ -440,10 +481,11 @@ def _slot_experts(
     # The fullest pair decides the rounds, the same on every device of the expert axis (C = T:
     # one round holds any routing, and no predicate is needed).
     fullest = jax.lax.pmax(routes.sizes_d.max(), hop.axis) if plan.rounds > 1 else 0
-    first = yield from _exchange_round(0, routes, recv_total, packed, *args)
+    ragged_slots = ragged and not packed_layout
+    first = yield from _exchange_round(0, routes, recv_total, packed, *args, ragged_slots=ragged_slots)
 
     def further(r):  # the overflow rounds run straight through: only the first one pauses
-        return _run_through(_exchange_round(r, routes, recv_total, packed, *args))
+        return _run_through(_exchange_round(r, routes, recv_total, packed, *args, ragged_slots=ragged_slots))
 
     return in_rounds(further, fullest, plan.rows_per_pair, plan.rounds, first=first)
 
@@ -524,8 +566,10 @@ def _two_hop_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local
     summed per node before they cross the network. Each hop is the one-hop exchange over its
     group of devices (the hop inside nodes runs as the hop across nodes' computation), with its
     own slots and overflow rounds: dropless whatever the routing. ``ragged`` moves only the rows
-    in use across nodes (``ragged_all_to_all``); inside a node whole slots move (``all_to_all``):
-    a packed layout there would have to hold every received row once per device of the node.
+    in use (``ragged_all_to_all``): across nodes from the packed layout, inside a node from the
+    slots, whose rows in use come first (a packed layout there would have to hold every received
+    row once per device of the node). Whole slots inside a node moved twice the rows in use at
+    DeepSeek-V3's routing (XLA:GPU's compile of the 256-H100 recipe).
     With FP8 dispatch the hop inside re-quantizes the rows the hop across delivered dequantized:
     the same values (a quantize-dequantize round trip is idempotent), one more quantize per round.
     The experts must be the router's (``nodes_per_token``)."""
@@ -541,7 +585,7 @@ def _two_hop_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local
         del capacity  # the sizes carry it
         experts_RJ = jnp.where(active_RJ, local_RJ, experts_per_node)  # inactive: no device of the node
         args = (x_RD, experts_RJ, weights_RJ, wi_0, wi_1, wo, config, local_experts, inside, inside_sizes)
-        return _run_through(_slot_experts(*args, ragged=False))
+        return _run_through(_slot_experts(*args, ragged=ragged, packed_layout=False))
 
     args = (x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, inside_node, across, across_sizes)
     return _slot_experts(*args, ragged=ragged)

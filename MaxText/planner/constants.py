@@ -183,8 +183,9 @@ STACKS: dict[str, Stack] = {
             dispatch_efficiency=0.80,  # XLA's collectives at the planner's COLLECTIVE_EFFICIENCY, as the AOT model
             dispatch_overlap=0.75,  # the exchange's ragged-all-to-alls: 70% hidden on GB200, 84% on GB300
             # the two-hop exchange across 8-GPU nodes, from the H100 recipe's compile (2 chained
-            # chunks, up to eight collectives in flight, the cost model's times): 29% hidden
-            hierarchical_overlap=0.29,
+            # chunks, up to eight collectives in flight, the cost model's times, only the rows in
+            # use moving on either hop): 35% hidden
+            hierarchical_overlap=0.35,
             # FSDP as a capacity, not a share: the gathers and scatters a step hides are 0.194 of its
             # computation time (GB200 0.90 s of 5.02, GB300 0.51 of 2.27; 97-99% of their link
             # time in both), where their share of the link time once ran from 31% (GB200 at 1
