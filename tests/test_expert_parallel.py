@@ -85,7 +85,8 @@ def emulated_ragged_all_to_all(
     """On device ``me``: from every source s of its group, rows ``[input_offsets_s[i], +
     send_sizes_s[i])`` of s's operand land at ``output_offsets_s[i]`` of ``me``'s output, ``i``
     being ``me``'s place in the group; ``me`` expects ``recv_sizes[j]`` of them from the group's
-    j-th device (a receiver expecting fewer loses the rest, so inconsistent sizes fail the test)."""
+    j-th device; where the two sizes disagree (which NCCL would not survive either) the whole
+    output is spoiled (NaN, or the largest integer), so inconsistent sizes fail the test."""
     me = jax.lax.axis_index(axis_name)
     n = jax.lax.axis_size(axis_name)
     groups = np.asarray(axis_index_groups if axis_index_groups is not None else [list(range(n))])
@@ -105,6 +106,8 @@ def emulated_ragged_all_to_all(
         arrives = (k >= 0) & (k < jnp.minimum(sizes[s], recv_sizes[j]))
         source_rows = operands[s][jnp.clip(starts[s] + k, 0, operand.shape[0] - 1)]
         output = jnp.where(arrives.reshape(-1, *([1] * (output.ndim - 1))), source_rows, output)
+        spoiled = jnp.nan if jnp.issubdtype(output.dtype, jnp.floating) else jnp.iinfo(output.dtype).max
+        output = jnp.where(sizes[s] != recv_sizes[j], jnp.asarray(spoiled, output.dtype), output)
     return output
 
 

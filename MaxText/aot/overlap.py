@@ -254,9 +254,9 @@ class _CostModel:
             return 0.0, 0.0, 0.0
         r = len(set(self.domain_of[np.asarray(group)].tolist()))
         if kind in ("all-to-all", "ragged-all-to-all"):
-            moved = self.inside_rows if r == 1 and self.inside_rows else self.ragged_rows
-            if kind == "ragged-all-to-all" and moved and rows:
-                nbytes *= min(1.0, moved / rows)
+            if kind == "ragged-all-to-all":  # a group inside one domain: the hop inside a node
+                moved = self.inside_rows if r == 1 and self.inside_rows else self.ragged_rows
+                nbytes *= min(1.0, moved / rows) if moved and rows else 1.0
             nvl, net = exchange_link_bytes(nbytes, n // r, n)
             return nvl, net, exchange_seconds(nvl, net, self.system)
         if kind == "collective-permute":
@@ -349,7 +349,8 @@ class CostInputs:
     ragged-all-to-all moves under balanced routing (``ragged_rows``; None: its whole buffer), the
     trips of loops the data decides (``dynamic_trips``), the rows a grouped GEMM kernel
     computes (``expert_rows``; ``hlo_stats.ExpertRows``) and, for the two-hop exchange, the rows
-    its ragged-all-to-all inside one NVLink domain moves (``inside_rows``; None: ``ragged_rows``)."""
+    its ragged-all-to-all inside one NVLink domain moves (``inside_rows``; None: ``ragged_rows``):
+    its hop inside a node, where a node is the NVLink domain (8-GPU nodes)."""
 
     system: System
     domain_of: np.ndarray

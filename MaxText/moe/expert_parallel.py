@@ -109,8 +109,8 @@ def expert_axis() -> str | None:
 
 
 # ---- slot exchanges: slot d of every device's [ep * S] rows goes to device d ----
-# all_to_all moves whole slots (a plain all_to_all, its own transpose); ragged_all_to_all sends
-# from the packed layout and moves only the rows in use.
+# all_to_all moves whole slots (a plain all_to_all, its own transpose); ragged_all_to_all moves
+# only the rows in use, sent from the packed layout or from the slots themselves.
 
 
 class Hop(NamedTuple):
