@@ -262,25 +262,19 @@ def balanced_expert_rows(config: Config, tokens_per_device: int) -> Callable[[in
     return lambda rows: min(rows, copies)
 
 
-def ragged_rows(config: Config, tokens_per_device: int, ep: int, exchange: str = "ragged_all_to_all") -> int:
-    """The rows a ragged exchange moves per device under balanced routing: each token once to each
-    of up to ``min(K, ep)`` devices (out into the slots, and back into the packed layout). On the
-    two-hop exchange's hop across nodes: each token once to each node its experts reach
-    (``_rows_per_token``)."""
+def ragged_rows(
+    config: Config, tokens_per_device: int, ep: int, exchange: str = "ragged_all_to_all"
+) -> tuple[int, int | None]:
+    """The rows a ragged exchange moves per device under balanced routing, and on the two-hop
+    exchange those its hop inside a node moves (else None). One hop: each token once to each of
+    up to ``min(K, ep)`` devices (out into the slots, and back into the packed layout). Two hops:
+    each token once to each node its experts reach across nodes, and inside a node one row per
+    (token, device) pair, a row carrying the token's copies for that device (``_rows_per_token``)."""
     per_node = devices_per_node(config, ep)
     if exchange != "hierarchical" or per_node in (1, ep):
-        return tokens_per_device * min(config.num_experts_per_tok, ep)
-    return round(tokens_per_device * _rows_per_token(config, ep // per_node))
-
-
-def inside_node_rows(config: Config, tokens_per_device: int, ep: int, exchange: str) -> int | None:
-    """The rows the two-hop exchange's hop inside a node moves per device under balanced routing:
-    one per (token, device) pair, a row carrying the token's copies for that device. None: no
-    such hop."""
-    per_node = devices_per_node(config, ep)
-    if exchange != "hierarchical" or per_node in (1, ep):
-        return None
-    return round(tokens_per_device * _rows_per_token(config, ep))
+        return tokens_per_device * min(config.num_experts_per_tok, ep), None
+    across = round(tokens_per_device * _rows_per_token(config, ep // per_node))
+    return across, round(tokens_per_device * _rows_per_token(config, ep))
 
 
 def _rows_per_token(config: Config, domains: int) -> float:
@@ -312,13 +306,14 @@ def cost_model_inputs(config: Config, mesh: jax.sharding.Mesh, system: System, e
     devices = mesh.devices.size
     routed = routed_per_chunk(config, devices, exchange)
     domain_size = system.domain_gpus(devices)
+    rows, inside_rows = ragged_rows(config, routed, ep, exchange)
     return CostInputs(
         system,
         np.array([d.id // domain_size for d in mesh.devices.flat]),
-        ragged_rows(config, routed, ep, exchange),
+        rows,
         balanced_block_trips(config, routed, ep),
         balanced_expert_rows(config, routed),
-        inside_node_rows(config, routed, ep, exchange),
+        inside_rows,
     )
 
 

@@ -117,12 +117,14 @@ class Hop(NamedTuple):
     """The devices of the expert ``axis`` that exchange tokens with each other: the whole axis
     (``size`` ep), or one hop of the two-hop exchange: a node's devices, or the devices with the
     same place in every node (``groups``, JAX's ``axis_index_groups``). A device's place in its
-    group is ``axis_index // stride % size``."""
+    group is ``axis_index // stride % size``. ``slots_in_use``: slots sent from the slot layout
+    move only their rows in use (ragged_all_to_all), not whole (all_to_all)."""
 
     axis: str
     size: int
     stride: int = 1
     groups: tuple[tuple[int, ...], ...] | None = None
+    slots_in_use: bool = False
 
     def index(self) -> jax.Array:
         if self.groups is None:  # the whole axis
@@ -336,28 +338,12 @@ def _local_copies(local_RK: jax.Array, valid_R: jax.Array, weights_RK: jax.Array
 
 
 def _exchange_round(
-    r,
-    routes,
-    recv_total,
-    packed,
-    x_TD,
-    experts_TK,
-    weights_TK,
-    wi_0,
-    wi_1,
-    wo,
-    config,
-    compute,
-    hop,
-    C,
-    capacity,
-    ragged_slots=False,
+    r, routes, recv_total, packed, x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, compute, hop, C, capacity
 ) -> Exchange:
     """One round on one device: send round r's rows to their experts' devices in ``hop``, compute
     them there (``compute``: the backend, or the two-hop exchange's second hop), send the partial
     outputs back; returns this round's part of every token's output [T, D]. ``packed``
-    (ragged_all_to_all) is the packed send layout; else the slots move, whole (all_to_all) or,
-    with ``ragged_slots``, only their rows in use (ragged_all_to_all from slot to slot).
+    (ragged_all_to_all) is the packed send layout; else the slots move (``_move_slots``).
 
     A generator (``Exchange``): it yields the rows it received before computing them, and the
     partial outputs before sending them back, and goes on with what it is sent, so that
@@ -372,11 +358,11 @@ def _exchange_round(
     fp8 = recipe_of(config)
     if packed is None:
         slots = (token_R, valid_R, row_Td, send_sizes, recv_sizes)
-        move = partial(_to_slots, hop=hop, ragged=ragged_slots)
+        move = partial(_to_slots, hop=hop)
         x_RD = move(x_TD, *slots) if fp8 is None else fp8_moved(move, fp8, x_TD, slots)
     else:  # round r's window of each destination's packed rows, into this device's slot there
         in_d = jnp.where(send_sizes > 0, packed.start_d + r * C, 0)
-        here = jnp.full_like(in_d, hop.index() * (C + 1))
+        here = _slot_starts(hop, C + 1, in_d.dtype)[1]
         sizes = (in_d, send_sizes, here, recv_sizes)
         if fp8 is None:
             x_RD = packed_exchange(packed.rows_ND, *sizes, token_R.shape[0], hop)
@@ -398,32 +384,34 @@ def _exchange_round(
 
     # Inbound: partial outputs back to their tokens, summed over the devices that computed them.
     if packed is None:  # each slot back to its sender, the sizes the other way round
-        back = (recv_sizes, send_sizes) if ragged_slots else None
-        return sum_copies(_move_slots(y_RD, hop, back), copy_R, valid_R, row_Td)
-    slot_starts = jnp.arange(hop.size, dtype=recv_sizes.dtype) * (C + 1)
+        return sum_copies(_move_slots(y_RD, recv_sizes, send_sizes, hop), copy_R, valid_R, row_Td)
+    slot_starts = _slot_starts(hop, C + 1, recv_sizes.dtype)[0]
     yp_ND = packed_exchange(
         y_RD, slot_starts, recv_sizes, hop.all_to_all(in_d), send_sizes, packed.copy_N.shape[0], hop
     )
     return sum_copies(yp_ND, packed.copy_N, packed.valid_N, packed.row_Td)
 
 
-def _to_slots(x_TD, token_R, valid_R, row_Td, send_sizes, recv_sizes, hop, ragged):
-    """Tokens into their destinations' slots, and the slots to their devices (``_move_slots``;
-    ``ragged``: only the rows in use)."""
-    return _move_slots(gather_rows(x_TD, token_R, valid_R, row_Td), hop, (send_sizes, recv_sizes) if ragged else None)
+def _to_slots(x_TD, token_R, valid_R, row_Td, send_sizes, recv_sizes, hop):
+    """Tokens into their destinations' slots, and the slots to their devices (``_move_slots``)."""
+    return _move_slots(gather_rows(x_TD, token_R, valid_R, row_Td), send_sizes, recv_sizes, hop)
 
 
-def _move_slots(x_RD: jax.Array, hop: Hop, in_use: tuple[jax.Array, jax.Array] | None) -> jax.Array:
+def _move_slots(x_RD: jax.Array, send_sizes: jax.Array, recv_sizes: jax.Array, hop: Hop) -> jax.Array:
     """Slot d of ``x_RD`` to device d of ``hop``, into this device's slot there: whole slots
-    (all_to_all), or with ``in_use`` = (send_sizes, recv_sizes) only each slot's first rows, the
+    (all_to_all), or with ``hop.slots_in_use`` only each slot's first ``send_sizes[d]`` rows, the
     ones in use (ragged_all_to_all into zeros, so the slots arrive as all_to_all delivers them)."""
-    if in_use is None:
+    if not hop.slots_in_use:
         return hop.all_to_all(x_RD)
-    send_sizes, recv_sizes = in_use
-    S = x_RD.shape[0] // hop.size
-    starts = jnp.arange(hop.size, dtype=send_sizes.dtype) * S
-    here = jnp.full_like(starts, hop.index() * S)
+    starts, here = _slot_starts(hop, x_RD.shape[0] // hop.size, send_sizes.dtype)
     return packed_exchange(x_RD, starts, send_sizes, here, recv_sizes, x_RD.shape[0], hop)
+
+
+def _slot_starts(hop: Hop, S: int, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """Where each device's slot of ``S`` rows starts in a slot layout, and where this device's
+    starts (the same for every destination): ``(starts_d, here_d)``."""
+    starts = jnp.arange(hop.size, dtype=dtype) * S
+    return starts, jnp.full_like(starts, hop.index() * S)
 
 
 def _packed_to_slots(x_TD, token_N, valid_N, row_Td, in_d, send_sizes, here, recv_sizes, rows, hop):
@@ -453,27 +441,16 @@ class HopSizes(NamedTuple):
 
 
 def _slot_experts(
-    x_TD,
-    experts_TK,
-    weights_TK,
-    wi_0,
-    wi_1,
-    wo,
-    config,
-    compute,
-    hop: Hop,
-    sizes: HopSizes,
-    ragged: bool,
-    packed_layout: bool = True,
+    x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, compute, hop: Hop, sizes: HopSizes, ragged
 ) -> Exchange:
     """Per device: the first round always; the rest only if some pair of the group overflows ``C``.
-    A generator that pauses in the first round as ``_exchange_round`` does. ``ragged`` moves only
-    the rows in use: sent from the packed layout, or from the slots without ``packed_layout``."""
+    A generator that pauses in the first round as ``_exchange_round`` does. ``ragged``: the rows
+    in use are sent from the packed layout (``hop.slots_in_use``: from the slots)."""
     T, plan = experts_TK.shape[0], sizes.plan
     routes = _routes(experts_TK, sizes.experts_per_device, hop.size, plan)
     recv_total = hop.all_to_all(routes.sizes_d)
     packed = None
-    if ragged and packed_layout:  # every row to send, packed once: T * destinations rows and a zero row
+    if ragged:  # every row to send, packed once: T * destinations rows and a zero row
         token_N, valid_N, row_Td, copy_N, start_d = _packed_rows(routes, T * sizes.destinations + 1)
         rows_ND = gather_rows(x_TD, token_N, valid_N, row_Td) if recipe_of(config) is None else None
         packed = Packed(rows_ND, start_d, copy_N, valid_N, row_Td, token_N)
@@ -481,11 +458,10 @@ def _slot_experts(
     # The fullest pair decides the rounds, the same on every device of the expert axis (C = T:
     # one round holds any routing, and no predicate is needed).
     fullest = jax.lax.pmax(routes.sizes_d.max(), hop.axis) if plan.rounds > 1 else 0
-    ragged_slots = ragged and not packed_layout
-    first = yield from _exchange_round(0, routes, recv_total, packed, *args, ragged_slots=ragged_slots)
+    first = yield from _exchange_round(0, routes, recv_total, packed, *args)
 
     def further(r):  # the overflow rounds run straight through: only the first one pauses
-        return _run_through(_exchange_round(r, routes, recv_total, packed, *args, ragged_slots=ragged_slots))
+        return _run_through(_exchange_round(r, routes, recv_total, packed, *args))
 
     return in_rounds(further, fullest, plan.rows_per_pair, plan.rounds, first=first)
 
@@ -578,6 +554,7 @@ def _two_hop_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local
     if per_node in (1, ep):  # one node, or one device per node: a single hop is the same thing
         return _flat_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local_experts, axis, ragged)
     across, inside = node_hops(axis, ep, per_node)
+    inside = inside._replace(slots_in_use=ragged)  # no packed layout inside a node (above)
     across_sizes, inside_sizes = two_hop_sizes(config, x_TD.shape[0], ep, per_node)
     experts_per_node = across_sizes.experts_per_device
 
@@ -585,7 +562,7 @@ def _two_hop_experts(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, local
         del capacity  # the sizes carry it
         experts_RJ = jnp.where(active_RJ, local_RJ, experts_per_node)  # inactive: no device of the node
         args = (x_RD, experts_RJ, weights_RJ, wi_0, wi_1, wo, config, local_experts, inside, inside_sizes)
-        return _run_through(_slot_experts(*args, ragged=ragged, packed_layout=False))
+        return _run_through(_slot_experts(*args, ragged=False))
 
     args = (x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, config, inside_node, across, across_sizes)
     return _slot_experts(*args, ragged=ragged)
