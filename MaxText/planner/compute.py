@@ -23,11 +23,12 @@ from __future__ import annotations
 from MaxText.planner import circular
 from MaxText.planner.constants import ACTIVATION_BYTES, GEMM_EFFICIENCY, QUANTIZE_BYTES, Stack
 from MaxText.planner.layout import Layout
-from MaxText.planner.model import ModelSpec
+from MaxText.planner.model import ModelSpec, dense_rerun_names
 from MaxText.planner.systems import System
 
-# Extra executed FLOPs over model FLOPs. ``selective`` and ``names`` (with base.yml's remat_names)
-# rerun the MLA up-projections (about 3% of the dense class for DeepSeek-V3), left out here.
+# Extra executed FLOPs over model FLOPs. ``selective`` reruns the MLA up-projections (about 3% of
+# the dense class for DeepSeek-V3), left out here; ``names`` reruns what its names do not keep
+# (``rerun_share``, ``model.dense_rerun_names``).
 RECOMPUTE = {"none": 0.0, "minimal": 0.0, "selective": 0.0, "names": 0.0, "full": 1.0 / 3.0}
 # Kernel classes whose outputs a policy may not keep, the share of their forward the backward
 # pass then runs again (the routed experts' gate and up: 2 of their 3 GEMMs; the attention kernel:
@@ -37,12 +38,16 @@ NAMED_KERNELS = {"grouped": "routed_gate_up", "attention": "attention"}
 
 
 def rerun_share(kind: str, spec: ModelSpec, layout: Layout, stack: Stack) -> float:
-    """The share of ``kind``'s forward that the backward pass runs again, beyond ``RECOMPUTE``:
-    the routed experts' input projections under ``minimal`` (kernel calls, not the dots it
-    keeps) on a stack that reruns them, and under ``names`` any kernel class it does not name."""
+    """The share of ``kind``'s training FLOPs that the backward pass runs again, beyond
+    ``RECOMPUTE``: the routed experts' input projections under ``minimal`` (kernel calls, not the
+    dots it keeps) on a stack that reruns them; under ``names`` any kernel class it does not name,
+    and the dense GEMMs whose outputs it does not keep (``model.dense_rerun_names``)."""
     if layout.remat in ("minimal", "selective"):
         reruns = kind == "grouped" and stack.routed_recompute
     elif layout.remat == "names":
+        if kind == "dense":  # the GEMMs whose outputs the names do not keep, over the class's training FLOPs
+            rerun = dense_rerun_names(spec.config) if spec.config is not None else 0.0
+            return rerun / spec.flops["dense"] if spec.flops["dense"] else 0.0
         named = spec.config.remat_names if spec.config is not None else ()
         reruns = kind in NAMED_KERNELS and NAMED_KERNELS[kind] not in named
     else:

@@ -109,6 +109,38 @@ def named_per_token(c: Config, moe: bool) -> float:
     return sum(elements[name] for name in c.remat_names)  # the layer's input aside, as in the others
 
 
+def dense_rerun_per_token(c: Config, moe: bool) -> float:
+    """Forward FLOPs per token of one layer's dense GEMMs that the backward pass runs again under
+    ``remat_policy: names``: a GEMM reruns where its output is read by a backward (its own
+    consumer's) and is not among ``remat_names``. MLA's down- and up-projections feed the
+    projections after them and the attention kernel; the output projection feeds the norm before
+    the FFN (its input is the residual stream plus it); the router's logits feed the routing's
+    backward, and a SwiGLU's gate and up its product's. The down projections of the dense MLP and
+    the shared experts only add to the residual stream, which the next layer's input keeps: never
+    rerun. The routed experts and the attention kernel are their own classes (``rerun_share``)."""
+    H, D, rope = c.base_num_query_heads, c.emb_dim, c.qk_rope_head_dim
+    mlp_F = c.shared_experts * c.base_moe_mlp_dim if moe else c.base_mlp_dim
+    query = [("query", (c.q_lora_rank or D) * H * c.qk_head_dim)]
+    if c.q_lora_rank:
+        query.append(("query_latent", D * c.q_lora_rank))
+    gemms = [
+        *query,
+        ("key_value_latent", D * (c.kv_lora_rank + rope)),
+        ("key_value", c.kv_lora_rank * H * (c.qk_nope_head_dim + c.v_head_dim)),
+        ("attention_out", H * c.v_head_dim * D),
+        ("mlp_gate_up", 2 * D * mlp_F),
+    ]
+    if moe:
+        gemms.append(("router_logits", D * c.num_experts))
+    return float(sum(2 * params for name, params in gemms if name not in c.remat_names))
+
+
+def dense_rerun_names(c: Config) -> float:
+    """``dense_rerun_per_token`` over all layers, the MTP modules' included."""
+    moe_layers = c.num_moe_layers + c.mtp_num_layers
+    return moe_layers * dense_rerun_per_token(c, moe=True) + c.first_num_dense_layers * dense_rerun_per_token(c, False)
+
+
 # Keys that change a run but not the parameter shapes: fixed before tracing, so that costing many
 # layouts, batches or run names of one architecture traces it once (the trace is cached by config).
 _RUN_KEYS = {
