@@ -556,6 +556,21 @@ def test_overlap_credits_the_computation_between_start_and_done():
     assert gathers.hidden == 1.0  # a 137 GFLOP matmul takes far longer than 25 MB over NVLink
     assert exposed.shares["FSDP weight gathers"].hidden == 0.0
     assert exposed.shares["FSDP weight gathers"].synchronous == 1
+    # the floor: no order does better than the computation (here longer than the gather)
+    assert hidden.floor_seconds == exposed.floor_seconds == hidden.compute_seconds == hidden.step_seconds
+    assert exposed.step_seconds == pytest.approx(exposed.compute_seconds + gathers.seconds)
+
+
+def test_no_order_models_under_the_link_time_a_computation_cannot_cover():
+    """Across racks the same gather takes longer than the matmul under it: the step is then the
+    gather's link time however the computation is ordered, the floor the report prints."""
+    system = SYSTEMS["gb200-nvl72"]
+    across = np.arange(4)  # each device in a rack of its own: the gather crosses the network
+    report = overlap(OVERLAP_PROGRAM.replace("SYNC", "false"), CostInputs(system, across))
+    gathers = report.shares["FSDP weight gathers"]
+    assert gathers.network_bytes > 0 and gathers.seconds > report.compute_seconds
+    assert gathers.hidden_seconds == pytest.approx(report.compute_seconds)
+    assert report.floor_seconds == gathers.seconds == pytest.approx(report.step_seconds)
 
 
 def test_the_latency_profile_gives_each_instruction_its_modelled_time():

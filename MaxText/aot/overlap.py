@@ -117,6 +117,8 @@ class OverlapReport:
     shares: dict[str, Share] = field(default_factory=dict)
     compute_seconds: float = 0.0  # the step's modelled computation time
     step_seconds: float = 0.0  # computation plus the communication left exposed
+    # the shortest step any order of each computation's instructions would model (``_floor``)
+    floor_seconds: float = 0.0
     compute: dict = field(default_factory=dict)  # compute_time.compute_breakdown: where the computation time goes
 
     @property
@@ -133,6 +135,7 @@ class OverlapReport:
             "hidden": self.total.hidden,
             "compute_seconds": self.compute_seconds,
             "step_seconds": self.step_seconds,
+            "floor_seconds": self.floor_seconds,
             "compute": self.compute,
         }
 
@@ -416,7 +419,25 @@ class ScheduledProgram:
         report.compute = compute_breakdown(model)
         exposed = report.total.seconds - report.total.hidden_seconds
         report.step_seconds = report.compute_seconds + exposed
+        report.floor_seconds = report.compute_seconds + sum(
+            mult[name] * self._uncoverable(instrs) for name, instrs in model.comps.items() if mult.get(name)
+        )
         return report
+
+    def _uncoverable(self, instrs: list[Instr]) -> float:
+        """Link time of one run of a computation's collectives beyond the time of all its other
+        instructions: a collective is hidden only by what runs between its start and its done in
+        the same computation, shared with the others in flight, so however the computation is
+        ordered this much stays exposed. Summed over the computations it gives the floor, the
+        shortest step this model gives the program under any schedule: where it is far below the
+        modelled step, a better order gains; where close, only fewer bytes or more computation
+        beside them do."""
+        model = self.model
+        found = [(i, collective_bytes(i, model.types)) for i in instrs]
+        link = sum(model.collective_link(i, *f)[2] for i, f in found if f is not None)
+        if link <= 0.0:
+            return 0.0
+        return max(0.0, link - sum(model.seconds(i) for i, f in found if f is None))
 
 
 def scheduled_instructions(comps: dict[str, list[Instr]]) -> list[Instr]:
