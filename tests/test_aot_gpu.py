@@ -91,7 +91,10 @@ def gb200_recipe_cut() -> dict:
     command buffers; its per-GPU batch, remat, exchange chunks and latency profile) on the 4-layer
     architecture and one rack's mesh, which override the recipe's own layers and multi-rack mesh."""
     overrides = [*ARCH_671B, "dcn_data_parallelism=1", "dcn_fsdp_parallelism=1"]
-    return _json(aot("--recipe", GB200_RECIPE, "--target", "gb200", "--devices", str(DEVICES), "--json", *overrides))
+    # two compiles (the latency profile's); on a fresh clone, with no kernels cached, up to 600 s here
+    return _json(
+        aot("--recipe", GB200_RECIPE, "--target", "gb200", "--devices", str(DEVICES), "--json", *overrides, timeout=900)
+    )
 
 
 def test_671b_on_gb200_holds_the_state_and_fits(gb200_recipe_cut):

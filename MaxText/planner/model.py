@@ -136,9 +136,10 @@ def dense_rerun_per_token(c: Config, moe: bool) -> float:
 
 
 def dense_rerun_names(c: Config) -> float:
-    """``dense_rerun_per_token`` over all layers, the MTP modules' included."""
-    moe_layers = c.num_moe_layers + c.mtp_num_layers
-    return moe_layers * dense_rerun_per_token(c, moe=True) + c.first_num_dense_layers * dense_rerun_per_token(c, False)
+    """``dense_rerun_per_token`` over the decoder's layers: the MTP modules' layers are not
+    rematerialised (``models/mtp.py``)."""
+    moe, dense = dense_rerun_per_token(c, moe=True), dense_rerun_per_token(c, moe=False)
+    return c.num_moe_layers * moe + c.first_num_dense_layers * dense
 
 
 # Keys that change a run but not the parameter shapes: fixed before tracing, so that costing many
