@@ -117,7 +117,9 @@ class OverlapReport:
     shares: dict[str, Share] = field(default_factory=dict)
     compute_seconds: float = 0.0  # the step's modelled computation time
     step_seconds: float = 0.0  # computation plus the communication left exposed
-    # the shortest step any order of each computation's instructions would model (``_floor``)
+    # the shortest step any order of each computation's instructions would model: where it is
+    # far below step_seconds a better order gains; where close, only fewer bytes or more
+    # computation beside them do (``ScheduledProgram.overlap``)
     floor_seconds: float = 0.0
     compute: dict = field(default_factory=dict)  # compute_time.compute_breakdown: where the computation time goes
 
@@ -257,7 +259,7 @@ class _CostModel:
             return 0.0, 0.0, 0.0
         r = len(set(self.domain_of[np.asarray(group)].tolist()))
         if kind in ("all-to-all", "ragged-all-to-all"):
-            if kind == "ragged-all-to-all":  # a group inside one domain: the hop inside a node
+            if kind == "ragged-all-to-all":  # its rows moved; a group inside one domain: the hop inside a node
                 moved = self.inside_rows if r == 1 and self.inside_rows else self.ragged_rows
                 nbytes *= min(1.0, moved / rows) if moved and rows else 1.0
             nvl, net = exchange_link_bytes(nbytes, n // r, n)
@@ -299,11 +301,12 @@ def _bytes_read(body: list[Instr], index: int, size: float) -> float:
     return min(size, sum(shape_bytes(u.result) for u in slices))
 
 
-def _walk(instrs: list[Instr], model: _CostModel, times: float, shares: dict[str, Share]) -> None:
+def _walk(instrs: list[Instr], model: _CostModel, times: float, shares: dict[str, Share]) -> float:
     """Stream one computation's schedule: each collective in flight takes an even part of each
     instruction's time until its done (XLA:GPU's collective pipeliner moves whole start/done pairs
     into the previous iteration: every done follows its start in the same computation in the
-    recipes' programs)."""
+    recipes' programs). Returns the link time of one run of its collectives."""
+    link_per_run = 0.0
     in_flight: dict[str, list] = {}  # start name -> [category, link seconds, still to hide]
 
     def spend(seconds: float, flights: dict[str, list]) -> None:
@@ -337,12 +340,14 @@ def _walk(instrs: list[Instr], model: _CostModel, times: float, shares: dict[str
         share.nvlink_bytes += times * nvl
         share.network_bytes += times * net
         share.seconds += times * link
+        link_per_run += link
         if not instr.opcode.endswith("-start") or '"is_sync":true' in instr.rest:
             share.synchronous += times
             continue
         in_flight[instr.name] = [cat, link, link]
     for flight in in_flight.values():  # a start without its done here (none in the recipes' programs)
         land(flight)
+    return link_per_run
 
 
 @dataclass(frozen=True)
@@ -411,33 +416,21 @@ class ScheduledProgram:
         """The overlap of every asynchronous collective, and the step's modelled time."""
         model, mult = self.model, self.mult
         shares: dict[str, Share] = {c: Share() for c in CATEGORIES}
+        # The floor: a collective is hidden only by what runs between its start and its done in its
+        # own computation, shared with the others in flight, so the link time of a computation's
+        # collectives beyond the rest of its time stays exposed however it is ordered.
+        uncoverable = 0.0
         for name, instrs in model.comps.items():
             if mult.get(name) and any(i.opcode.endswith("-start") or collective_bytes(i, model.types) for i in instrs):
-                _walk(instrs, model, mult[name], shares)
+                link = _walk(instrs, model, mult[name], shares)
+                uncoverable += mult[name] * max(0.0, link - model.computation_seconds(name))
         report = OverlapReport({k: v for k, v in shares.items() if v.count})
         report.compute_seconds = model.computation_seconds("ENTRY")
         report.compute = compute_breakdown(model)
         exposed = report.total.seconds - report.total.hidden_seconds
         report.step_seconds = report.compute_seconds + exposed
-        report.floor_seconds = report.compute_seconds + sum(
-            mult[name] * self._uncoverable(instrs) for name, instrs in model.comps.items() if mult.get(name)
-        )
+        report.floor_seconds = report.compute_seconds + uncoverable
         return report
-
-    def _uncoverable(self, instrs: list[Instr]) -> float:
-        """Link time of one run of a computation's collectives beyond the time of all its other
-        instructions: a collective is hidden only by what runs between its start and its done in
-        the same computation, shared with the others in flight, so however the computation is
-        ordered this much stays exposed. Summed over the computations it gives the floor, the
-        shortest step this model gives the program under any schedule: where it is far below the
-        modelled step, a better order gains; where close, only fewer bytes or more computation
-        beside them do."""
-        model = self.model
-        found = [(i, collective_bytes(i, model.types)) for i in instrs]
-        link = sum(model.collective_link(i, *f)[2] for i, f in found if f is not None)
-        if link <= 0.0:
-            return 0.0
-        return max(0.0, link - sum(model.seconds(i) for i, f in found if f is None))
 
 
 def scheduled_instructions(comps: dict[str, list[Instr]]) -> list[Instr]:

@@ -148,11 +148,10 @@ def format_report(r: AotReport, hbm_gb: float | None, limit_gb: float | None = N
             f"  all: {r.overlap['hidden']:.1%} of communication time hidden; modelled step"
             f" {r.overlap['step_seconds']:.2f} s ({r.overlap['compute_seconds']:.2f} s of computation)"
         )
-        if "floor_seconds" in r.overlap:
-            lines.append(
-                f"  floor {r.overlap['floor_seconds']:.2f} s: no order of each computation's instructions models a shorter step"
-                " (the computation, plus the link time a loop body's computation cannot cover)"
-            )
+        lines.append(
+            f"  floor {r.overlap['floor_seconds']:.2f} s: no order of each computation's instructions models a shorter step"
+            " (the computation, plus the link time a loop body's computation cannot cover)"
+        )
         if r.overlap.get("compute"):
             lines += ["", *format_breakdown(r.overlap["compute"])]
     for w in r.warnings:

@@ -362,7 +362,7 @@ def _exchange_round(
         x_RD = move(x_TD, *slots) if fp8 is None else fp8_moved(move, fp8, x_TD, slots)
     else:  # round r's window of each destination's packed rows, into this device's slot there
         in_d = jnp.where(send_sizes > 0, packed.start_d + r * C, 0)
-        here = _slot_starts(hop, C + 1, in_d.dtype)[1]
+        slot_starts, here = _slot_starts(hop, C + 1, recv_sizes.dtype)  # the same slots both ways
         sizes = (in_d, send_sizes, here, recv_sizes)
         if fp8 is None:
             x_RD = packed_exchange(packed.rows_ND, *sizes, token_R.shape[0], hop)
@@ -385,7 +385,6 @@ def _exchange_round(
     # Inbound: partial outputs back to their tokens, summed over the devices that computed them.
     if packed is None:  # each slot back to its sender, the sizes the other way round
         return sum_copies(_move_slots(y_RD, recv_sizes, send_sizes, hop), copy_R, valid_R, row_Td)
-    slot_starts = _slot_starts(hop, C + 1, recv_sizes.dtype)[0]
     yp_ND = packed_exchange(
         y_RD, slot_starts, recv_sizes, hop.all_to_all(in_d), send_sizes, packed.copy_N.shape[0], hop
     )
