@@ -38,6 +38,9 @@ BASE_YML = CONFIG_DIR / "base.yml"
 MODELS_DIR = CONFIG_DIR / "models"
 # A saved config.yml records the run's topology under this key; it is output, not input.
 RUNTIME_SECTION = "runtime"
+# ``latency_profile`` values that compile twice with the cost model's times (aot/compile.py): each
+# collective at its link time, or at its duration with the others in flight in the first schedule
+MODEL_PROFILES = ("model", "model_contended")
 
 
 class ConfigError(ValueError):
@@ -338,9 +341,9 @@ def check_rules(c: Config) -> None:
         f"must be between 0 and base_num_decoder_layers ({c.base_num_decoder_layers})",
     )
     _require(
-        c.latency_profile in ("", "model") or Path(c.latency_profile).suffix in (".pbtxt", ".pb"),
+        c.latency_profile in ("", *MODEL_PROFILES) or Path(c.latency_profile).suffix in (".pbtxt", ".pb"),
         "latency_profile",
-        f'{c.latency_profile!r}: must be "", model, or a profile file ending in .pbtxt (text) or .pb (binary)',
+        f'{c.latency_profile!r}: must be "", model, model_contended, or a profile file ending in .pbtxt (text) or .pb (binary)',
     )
     _require(c.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "must be even (rotary pairs)")
     if c.rope_type == "yarn":  # frequencies between the two rotation counts are interpolated

@@ -202,7 +202,7 @@ def test_a_multi_rack_mesh_stores_the_vocabulary_split_as_it_is_read(capfd, fres
 
 
 def test_latency_profile_model_compiles_again_with_the_first_programs_costs(tmp_path):
-    """``latency_profile: model`` compiles twice, the second time reading a profile that names the
+    """``latency_profile: model`` (and ``model_contended``) compiles twice, the second time reading a profile that names the
     first program's kernels with their modelled times, at a path named by its contents (the
     compilation cache keys a program by its options: the same profile, the same key); a profile
     file compiles once, reading that file; ``""`` compiles once without one."""
@@ -229,6 +229,8 @@ def test_latency_profile_model_compiles_again_with_the_first_programs_costs(tmp_
     assert all(c > 0 for c in costs.values())
     profile_guided(compile_once, {}, "model", inputs)
     assert paths[3] == paths[1]  # the same profile at the same path
+    profile_guided(compile_once, {}, "model_contended", inputs)  # twice too; no collective to stretch
+    assert paths[4] is None and paths[5] == paths[1]
 
     paths.clear()
     measured = tmp_path / "measured.pbtxt"

@@ -590,6 +590,32 @@ def test_the_latency_profile_gives_each_instruction_its_modelled_time():
     assert float(costs["f"]) == pytest.approx(matmul * 1e6, rel=1e-3)
 
 
+def test_the_latency_profile_stretches_a_collective_by_the_others_in_flight():
+    """Two gathers in flight over one matmul share it (the cost model's rule). Under
+    ``model_contended`` each is profiled for the time it took under the model: twice its link time
+    while both needed the matmul, plus what was left exposed at its done. ``model`` gives each its
+    link time, as if it ran alone."""
+    system = SYSTEMS["gb200-nvl72"]
+    second = (
+        "  %s2 = (bf16[1024,4096]{1,0}, bf16[4096,4096]{1,0}) all-gather-start(%x), replica_groups=[1,4]<=[4],"
+        ' dimensions={0}, backend_config={"is_sync":false}\n'
+    )
+    program = OVERLAP_PROGRAM.replace("SYNC", "false")
+    program = program.replace("  %f = ", second + "  %f = ").replace(
+        "  ROOT %g = bf16[4096,4096]{1,0} all-gather-done(%s)",
+        "  %g2 = bf16[4096,4096]{1,0} all-gather-done(%s2)\n  ROOT %g = bf16[4096,4096]{1,0} all-gather-done(%s)",
+    )
+    scheduled = ScheduledProgram(program, CostInputs(system, np.zeros(4, int)))
+    link = 2 * 4096 * 4096 * 3 / 4 / (system.nvlink_bw * COLLECTIVE_EFFICIENCY)
+    matmul = 2 * 4096**3 / (system.peak_flops("bf16") * GEMM_EFFICIENCY["dense"]["bf16"])
+    shared = 2 * link if matmul >= 2 * link else matmul + (link - matmul / 2)
+    for contended, each in ((False, link), (True, shared)):  # latency_profile: model, model_contended
+        found = r'costs \{ name: "([\w.\-]+)" cost_us: ([\d.]+) \}'
+        costs = dict(re.findall(found, scheduled.latency_profile(contended=contended)))
+        assert float(costs["s"]) == float(costs["s2"]) == pytest.approx(each * 1e6, rel=1e-3)
+    assert shared > 1.2 * link
+
+
 def test_a_layer_reads_its_slice_of_a_stack_and_writes_its_update_in_place():
     """The roofline counts what a fused kernel touches: a layer's slice of the scan's stacked
     weights, not the stack; and a dynamic-update-slice writes only its update."""

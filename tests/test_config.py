@@ -258,6 +258,7 @@ ACCEPTED = {
     "steps=0": 0,
     "run_name=1e-4": "1e-4",  # string keys keep the text
     "latency_profile=model": "model",
+    "latency_profile=model_contended": "model_contended",
     "latency_profile=profiles/step.pbtxt": "profiles/step.pbtxt",
     'jax_cache_dir=""': "",  # as a recipe's MAXTEXT_ARGS passes it (split without a shell's quote removal)
     "run_name='my run'": "my run",

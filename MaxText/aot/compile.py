@@ -42,7 +42,7 @@ from MaxText.aot.overlap import CostInputs, ScheduledProgram
 from MaxText.aot.report import AotReport, Choices
 from MaxText.aot.targets import GpuTarget, answering_device_queries
 from MaxText.aot.thunks import read_dump
-from MaxText.config import Config, ConfigError
+from MaxText.config import MODEL_PROFILES, Config, ConfigError
 from MaxText.layers.attention_ops import ATTENTION_SCOPE, resolve_attention
 from MaxText.layers.vocab_parallel import vocab_group
 from MaxText.models.accounting import count_parameters, train_flops
@@ -321,21 +321,22 @@ def profile_guided(
     compile_once: Callable[[dict], tuple], options: dict, setting: str, inputs: CostInputs | None
 ) -> tuple[tuple, ScheduledProgram | None]:
     """Compile for a GPU under ``latency_profile`` (base.yml): ``""`` once, XLA's scheduler with
-    its own estimates; a file, once with that profile; ``model``, twice, the second time with the
-    cost model's time for every instruction of the first (``ScheduledProgram.latency_profile``),
-    which is what a profile measured on the GPU would tell it if the model were right. Up to the
-    scheduler both compiles are the same, so the instructions' names match (the AOT report says
-    how many did: ``profile_names_found``). ``compile_once(options)`` returns a tuple whose first
+    its own estimates; a file, once with that profile; ``model`` or ``model_contended``, twice, the
+    second time with the cost model's time for every instruction of the first
+    (``ScheduledProgram.latency_profile``: a collective's link time, or with ``model_contended`` its
+    duration beside the others in flight), which is what a profile measured on the GPU would tell it
+    if the model were right. Up to the scheduler both compiles are the same, so the instructions'
+    names match (the AOT report says how many did: ``profile_names_found``). ``compile_once(options)`` returns a tuple whose first
     element is the compiled program; this returns the last one's and the first program as the
     cost model read it (None when there was one compile)."""
     if not setting:
         return compile_once(options), None
-    if setting != "model":
+    if setting not in MODEL_PROFILES:
         return compile_once(
             {**options, PROFILE_OPTION: _stable_copy(Path(setting).read_bytes(), Path(setting).suffix)}
         ), None
     first = ScheduledProgram(compile_once(options)[0].as_text(), inputs)
-    profile = first.latency_profile().encode()
+    profile = first.latency_profile(contended=setting == "model_contended").encode()
     return compile_once({**options, PROFILE_OPTION: _stable_copy(profile, ".pbtxt")}), first
 
 
@@ -363,10 +364,11 @@ def compile_for_devices(
     if device.platform != "gpu" or not config.latency_profile:
         return lowered.compile(compiler_options=options or None)
     inputs = None
-    if config.latency_profile == "model":
+    if config.latency_profile in MODEL_PROFILES:
         if (system := system_of_device(device.device_kind)) is None:
             raise ConfigError(
-                f"config key 'latency_profile': model, but the cost model has no GPU named {device.device_kind!r}"
+                f"config key 'latency_profile': {config.latency_profile}, but the cost model has no GPU named"
+                f" {device.device_kind!r}"
             )
         ep = mesh.shape[axis] if (axis := expert_axis()) else 1
         inputs = cost_model_inputs(config, mesh, system, resolve_exchange(config.moe_ep_comm, "gpu"), ep)

@@ -31,6 +31,7 @@ gradient scatters; all-reduces: data-parallel gradient sums and statistics; the 
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import asdict, dataclass, field
 
@@ -301,13 +302,22 @@ def _bytes_read(body: list[Instr], index: int, size: float) -> float:
     return min(size, sum(shape_bytes(u.result) for u in slices))
 
 
-def _walk(instrs: list[Instr], model: _CostModel, times: float, shares: dict[str, Share]) -> float:
+def _walk(
+    instrs: list[Instr],
+    model: _CostModel,
+    times: float,
+    shares: dict[str, Share],
+    durations: dict[str, float] | None = None,
+) -> float:
     """Stream one computation's schedule: each collective in flight takes an even part of each
     instruction's time until its done (XLA:GPU's collective pipeliner moves whole start/done pairs
     into the previous iteration: every done follows its start in the same computation in the
-    recipes' programs). Returns the link time of one run of its collectives."""
+    recipes' programs). Returns the link time of one run of its collectives, and fills
+    ``durations`` (when given) with each asynchronous one's time from start to end under the
+    model: the time it spent in flight until its link time was covered (sharing the computation
+    with others stretches it), plus what was left at its done."""
     link_per_run = 0.0
-    in_flight: dict[str, list] = {}  # start name -> [category, link seconds, still to hide]
+    in_flight: dict[str, list] = {}  # start name -> [category, link seconds, still to hide, time in flight]
 
     def spend(seconds: float, flights: dict[str, list]) -> None:
         while seconds > 1e-15 and (needy := [f for f in flights.values() if f[2] > 0]):
@@ -315,17 +325,20 @@ def _walk(instrs: list[Instr], model: _CostModel, times: float, shares: dict[str
             for f in needy:
                 took = min(part, f[2])
                 f[2] -= took
+                f[3] += took * len(needy)  # its part arrives at 1/len(needy) of the instruction's pace
                 seconds -= took
 
-    def land(flight: list) -> None:
+    def land(name: str, flight: list) -> None:
         share = shares.setdefault(flight[0], Share())
         share.hidden_seconds += times * (flight[1] - flight[2])
+        if durations is not None:
+            durations[name] = flight[3] + flight[2]
 
     for instr in instrs:
         if instr.opcode.endswith("-done"):
             source = re.findall(r"%([\w.\-]+)", instr.rest.split(")")[0])
             if source and source[0] in in_flight:
-                land(in_flight.pop(source[0]))
+                land(source[0], in_flight.pop(source[0]))
             continue
         found = collective_bytes(instr, model.types)
         if found is None:
@@ -344,9 +357,9 @@ def _walk(instrs: list[Instr], model: _CostModel, times: float, shares: dict[str
         if not instr.opcode.endswith("-start") or '"is_sync":true' in instr.rest:
             share.synchronous += times
             continue
-        in_flight[instr.name] = [cat, link, link]
-    for flight in in_flight.values():  # a start without its done here (none in the recipes' programs)
-        land(flight)
+        in_flight[instr.name] = [cat, link, link, 0.0]
+    for name, flight in in_flight.items():  # a start without its done here (none in the recipes' programs)
+        land(name, flight)
     return link_per_run
 
 
@@ -389,11 +402,12 @@ class ScheduledProgram:
             inputs.expert_rows,
             inputs.inside_rows,
         )
+        self._walk_cache: tuple[dict[str, Share], float, dict[str, float]] | None = None
 
     def scheduled(self) -> list[Instr]:
         return scheduled_instructions(self.model.comps)
 
-    def latency_profile(self) -> str:
+    def latency_profile(self, contended: bool = False) -> str:
         """The cost model's time for every instruction the scheduler places, as the profile
         XLA:GPU's profile-guided latency estimator reads (a ``ProfiledInstructionsProto`` in text:
         ``costs { name: "fusion.12" cost_us: 41.5 }``, a collective under its ``-start``'s name).
@@ -402,29 +416,48 @@ class ScheduledProgram:
         the same small cost and every collective the same latency, so it starts a large gather
         only a few kernels before its use. A profile measured on the GPU corrects that; this one
         says what the cost model says, so that a second compile is scheduled as if the model's
-        costs were measured (``compile.profile_guided``)."""
+        costs were measured (``compile.profile_guided``).
+
+        A collective's cost is its link time; ``contended``, its duration in this schedule under
+        the model, as a GPU would measure it: its link time where it ran alone, longer where
+        others in flight shared the computation under it (they share the links and the SMs), plus
+        what its done still waited for. The scheduler counts each collective's overlap as if it ran
+        alone; given the link times, it started the H100 recipe's FSDP gathers under the expert
+        exchange's computation and left each layer's attention with nothing in flight
+        (docs/aot_compile.md)."""
+        durations = self._walked()[2] if contended else {}
         lines = []
         for instr in self.scheduled():
             if found := collective_bytes(instr, self.model.types):
-                seconds = self.model.collective_link(instr, *found)[2]
+                seconds = durations.get(instr.name) or self.model.collective_link(instr, *found)[2]
             else:
                 seconds = self.model.seconds(instr)
             lines.append(f'costs {{ name: "{instr.name}" cost_us: {seconds * 1e6:.3f} }}')
         return "\n".join(lines) + "\n"
 
-    def overlap(self) -> OverlapReport:
-        """The overlap of every asynchronous collective, and the step's modelled time."""
+    def _walked(self) -> tuple[dict[str, Share], float, dict[str, float]]:
+        """Every computation that holds collectives walked once (``_walk``): the shares per
+        category, the link time no order of its computation covers (the floor's part; a
+        collective is hidden only by what runs between its start and its done in its own
+        computation, shared with the others in flight) and each asynchronous collective's duration."""
+        if self._walk_cache is not None:
+            return self._walk_cache
         model, mult = self.model, self.mult
         shares: dict[str, Share] = {c: Share() for c in CATEGORIES}
-        # The floor: a collective is hidden only by what runs between its start and its done in its
-        # own computation, shared with the others in flight, so the link time of a computation's
-        # collectives beyond the rest of its time stays exposed however it is ordered.
+        durations: dict[str, float] = {}
         uncoverable = 0.0
         for name, instrs in model.comps.items():
             if mult.get(name) and any(i.opcode.endswith("-start") or collective_bytes(i, model.types) for i in instrs):
-                link = _walk(instrs, model, mult[name], shares)
+                link = _walk(instrs, model, mult[name], shares, durations)
                 uncoverable += mult[name] * max(0.0, link - model.computation_seconds(name))
-        report = OverlapReport({k: v for k, v in shares.items() if v.count})
+        self._walk_cache = shares, uncoverable, durations
+        return self._walk_cache
+
+    def overlap(self) -> OverlapReport:
+        """The overlap of every asynchronous collective, and the step's modelled time."""
+        model = self.model
+        shares, uncoverable, _ = self._walked()
+        report = OverlapReport({k: copy.copy(v) for k, v in shares.items() if v.count})
         report.compute_seconds = model.computation_seconds("ENTRY")
         report.compute = compute_breakdown(model)
         exposed = report.total.seconds - report.total.hidden_seconds

@@ -43,7 +43,7 @@ class AotReport:
     collectives_by_op: dict[str, float]  # "all-gather of top_k" -> bytes per step
     collectives_by_dtype: dict[str, dict[str, float]]  # "ragged-all-to-all of u8" -> {"count", "bytes"}
     state_bytes: int  # the whole train state over all devices (parameter arithmetic)
-    # GPU targets: overlap.OverlapReport.as_dict(); under latency_profile=model also the first
+    # GPU targets: overlap.OverlapReport.as_dict(); under latency_profile=model[_contended] also the first
     # compile's step and hidden share (default_estimates) and the share of the second program's
     # kernels the profile named (profile_names_found)
     overlap: dict | None

@@ -196,7 +196,7 @@ def train(config: Config) -> RunResult:
         inputs = abstract_batch(config, mesh)
         # on a GPU, XLA plans for the memory the allocator holds (train/xla_memory.py)
         options = device_compiler_options(jax.local_devices()[0], step_io_bytes(abstract, inputs))
-        # on a GPU with latency_profile: model, twice (aot/compile.py: profile_guided)
+        # on a GPU with latency_profile: model or model_contended, twice (aot/compile.py: profile_guided)
         compiled_step = compile_for_devices(step_fn.lower(abstract, inputs), options, config, mesh)
         memory = check_step_fits(compiled_step, jax.local_devices())
         wait_for_every_process("step compiled")
