@@ -343,7 +343,8 @@ def check_rules(c: Config) -> None:
     _require(
         c.latency_profile in ("", *MODEL_PROFILES) or Path(c.latency_profile).suffix in (".pbtxt", ".pb"),
         "latency_profile",
-        f'{c.latency_profile!r}: must be "", model, model_contended, or a profile file ending in .pbtxt (text) or .pb (binary)',
+        f'{c.latency_profile!r}: must be "", {", ".join(MODEL_PROFILES)}, or a profile file ending in .pbtxt (text)'
+        " or .pb (binary)",
     )
     _require(c.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "must be even (rotary pairs)")
     if c.rope_type == "yarn":  # frequencies between the two rotation counts are interpolated

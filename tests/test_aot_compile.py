@@ -202,10 +202,10 @@ def test_a_multi_rack_mesh_stores_the_vocabulary_split_as_it_is_read(capfd, fres
 
 
 def test_latency_profile_model_compiles_again_with_the_first_programs_costs(tmp_path):
-    """``latency_profile: model`` (and ``model_contended``) compiles twice, the second time reading a profile that names the
-    first program's kernels with their modelled times, at a path named by its contents (the
-    compilation cache keys a program by its options: the same profile, the same key); a profile
-    file compiles once, reading that file; ``""`` compiles once without one."""
+    """``latency_profile: model`` (and ``model_contended``) compiles twice, the second time reading
+    a profile that names the first program's kernels with their modelled times, at a path named by
+    its contents (the compilation cache keys a program by its options: the same profile, the same
+    key); a profile file compiles once, reading that file; ``""`` compiles once without one."""
     import re
 
     from MaxText.aot.compile import PROFILE_OPTION, profile_guided

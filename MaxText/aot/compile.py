@@ -324,11 +324,12 @@ def profile_guided(
     its own estimates; a file, once with that profile; ``model`` or ``model_contended``, twice, the
     second time with the cost model's time for every instruction of the first
     (``ScheduledProgram.latency_profile``: a collective's link time, or with ``model_contended`` its
-    duration beside the others in flight), which is what a profile measured on the GPU would tell it
-    if the model were right. Up to the scheduler both compiles are the same, so the instructions'
-    names match (the AOT report says how many did: ``profile_names_found``). ``compile_once(options)`` returns a tuple whose first
-    element is the compiled program; this returns the last one's and the first program as the
-    cost model read it (None when there was one compile)."""
+    duration beside the others in flight), which is what a profile measured on the GPU would tell
+    it if the model were right. Up to the scheduler both compiles are the same, so the
+    instructions' names match (the AOT report says how many did: ``profile_names_found``).
+    ``compile_once(options)`` returns a tuple whose first element is the compiled program; this
+    returns the last one's and the first program as the cost model read it (None when there was
+    one compile)."""
     if not setting:
         return compile_once(options), None
     if setting not in MODEL_PROFILES:
