@@ -32,6 +32,7 @@ gradient scatters; all-reduces: data-parallel gradient sums and statistics; the 
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from dataclasses import asdict, dataclass, field
 
@@ -402,7 +403,6 @@ class ScheduledProgram:
             inputs.expert_rows,
             inputs.inside_rows,
         )
-        self._walk_cache: tuple[dict[str, Share], float, dict[str, float]] | None = None
 
     def scheduled(self) -> list[Instr]:
         return scheduled_instructions(self.model.comps)
@@ -425,7 +425,7 @@ class ScheduledProgram:
         alone; given the link times, it started the H100 recipe's FSDP gathers under the expert
         exchange's computation and left each layer's attention with nothing in flight
         (docs/aot_compile.md)."""
-        durations = self._walked()[2] if contended else {}
+        durations = self._walked[2] if contended else {}
         lines = []
         for instr in self.scheduled():
             if found := collective_bytes(instr, self.model.types):
@@ -435,13 +435,12 @@ class ScheduledProgram:
             lines.append(f'costs {{ name: "{instr.name}" cost_us: {seconds * 1e6:.3f} }}')
         return "\n".join(lines) + "\n"
 
+    @functools.cached_property
     def _walked(self) -> tuple[dict[str, Share], float, dict[str, float]]:
         """Every computation that holds collectives walked once (``_walk``): the shares per
         category, the link time no order of its computation covers (the floor's part; a
         collective is hidden only by what runs between its start and its done in its own
         computation, shared with the others in flight) and each asynchronous collective's duration."""
-        if self._walk_cache is not None:
-            return self._walk_cache
         model, mult = self.model, self.mult
         shares: dict[str, Share] = {c: Share() for c in CATEGORIES}
         durations: dict[str, float] = {}
@@ -450,13 +449,12 @@ class ScheduledProgram:
             if mult.get(name) and any(i.opcode.endswith("-start") or collective_bytes(i, model.types) for i in instrs):
                 link = _walk(instrs, model, mult[name], shares, durations)
                 uncoverable += mult[name] * max(0.0, link - model.computation_seconds(name))
-        self._walk_cache = shares, uncoverable, durations
-        return self._walk_cache
+        return shares, uncoverable, durations
 
     def overlap(self) -> OverlapReport:
         """The overlap of every asynchronous collective, and the step's modelled time."""
         model = self.model
-        shares, uncoverable, _ = self._walked()
+        shares, uncoverable, _ = self._walked
         report = OverlapReport({k: copy.copy(v) for k, v in shares.items() if v.count})
         report.compute_seconds = model.computation_seconds("ENTRY")
         report.compute = compute_breakdown(model)
